@@ -1,0 +1,239 @@
+"""Wire types and protocols of AgentFlow: the contracts the rest of the package builds on.
+
+A :class:`Trajectory` keeps the token ids exactly as the inference engine consumed and produced them. Nothing
+downstream re-tokenizes text: the trainer reads ``Segment.token_ids`` and ``Segment.loss_mask`` as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+TrajectoryStatus = Literal["ok", "truncated", "aborted", "error"]
+SegmentKind = Literal["root", "compact", "subagent"]
+PauseMode = Literal["abort", "retract", "in_place"]
+
+#: Version stamped on tokens the model did not generate (prompt, tool output).
+NO_VERSION = -1
+
+
+@dataclass
+class SamplingParams:
+    """How the engine samples one request (SGLang's ``sampling_params`` subset)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerateResult:
+    """One finished request: the sampled ids with their behaviour log-probs and weight versions.
+
+    ``logprobs[i]`` is the log-prob of ``output_ids[i]`` under the sampling distribution after temperature and
+    before top-k/top-p truncation (DESIGN.md); ``versions[i]`` is the weight version whose logits it came from.
+    """
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
+class ScoreResult:
+    """Prompt log-probs of ``ids[start:]`` (each token given its prefix), optionally with the top-k alternatives."""
+
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    weight_version: int = 0
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """Token-in/token-out generation. The embedded engine and the SGLang client both implement this."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
+    ) -> GenerateResult: ...
+
+    def score(self, ids: list[int], start: int, top_k: int = 0) -> ScoreResult: ...
+
+    def pause(self, mode: PauseMode = "in_place") -> None: ...
+
+    def resume(self) -> None: ...
+
+    def abort(self, rid: str) -> None: ...
+
+    def flush_cache(self) -> None: ...
+
+    def update_weights(self, version: int, named_tensors: dict[str, Any]) -> None:
+        """Apply a whole version (HF names -> tensors) between decode steps, or raise and keep the old one."""
+        ...
+
+
+@dataclass
+class Segment:
+    """One contiguous token sequence the engine saw: prompt, model turns and environment turns interleaved.
+
+    ``loss_mask[i]`` is 1 for tokens the model sampled, 0 for prompt and environment tokens. ``logprobs`` and
+    ``versions`` are aligned with ``token_ids``; non-model tokens carry 0.0 and :data:`NO_VERSION`.
+    """
+
+    kind: SegmentKind = "root"
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def append_context(self, ids: list[int]) -> None:
+        """Append tokens the model did not generate (prompt or tool output)."""
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([NO_VERSION] * len(ids))
+
+    def append_generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Append tokens exactly as the engine returned them."""
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError(f"length mismatch: {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+        self.token_ids.extend(ids)
+        self.loss_mask.extend([1] * len(ids))
+        self.logprobs.extend(logprobs)
+        self.versions.extend(versions)
+
+    def check(self) -> None:
+        n = len(self.token_ids)
+        if not (len(self.loss_mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError("segment arrays are not aligned")
+
+
+@dataclass
+class Turn:
+    """One model turn and the environment's answer to it."""
+
+    index: int
+    action: str | None
+    """Canonical action string sent to the env (JSON), or None when the model's output was not a valid action."""
+    observation: str
+    reward: float = 0.0
+    error: str | None = None
+    """Why the model's output could not become an action (malformed tool call), shown to the model as an error."""
+    images: list[bytes] = field(default_factory=list)
+    """PNG screenshots observed after this turn (browser and desktop envs)."""
+    segment: int = 0
+    span: tuple[int, int] = (0, 0)
+    """[start, end) of the model's tokens for this turn in ``segments[segment].token_ids``."""
+
+
+@dataclass
+class Trajectory:
+    """One episode of one agent in one environment, with every token as the engine saw it."""
+
+    id: str
+    task_id: str
+    group_id: str
+    env_id: str
+    data_source: str = "default"
+    tags: list[str] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    reward: float | None = None
+    status: TrajectoryStatus = "ok"
+    error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def model_versions(self) -> list[int]:
+        return [v for s in self.segments for v, m in zip(s.versions, s.loss_mask) if m]
+
+    def min_version(self) -> int:
+        versions = self.model_versions()
+        return min(versions) if versions else NO_VERSION
+
+    def max_version(self) -> int:
+        versions = self.model_versions()
+        return max(versions) if versions else NO_VERSION
+
+    def num_model_tokens(self) -> int:
+        return sum(sum(s.loss_mask) for s in self.segments)
+
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.segments)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for t in d["turns"]:
+            t["images"] = [img.hex() for img in t["images"]]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        d = dict(d)
+        d["segments"] = [Segment(**s) for s in d.get("segments", [])]
+        turns = []
+        for t in d.get("turns", []):
+            t = dict(t)
+            t["images"] = [bytes.fromhex(x) for x in t.get("images", [])]
+            t["span"] = tuple(t.get("span", (0, 0)))
+            turns.append(Turn(**t))
+        d["turns"] = turns
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: str) -> Trajectory:
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass
+class Group:
+    """The trajectories of one task sampled together (GRPO normalises rewards within a group)."""
+
+    id: str
+    task_seed: int
+    trajectories: list[Trajectory] = field(default_factory=list)
+    dispatch_version: int = 0
+
+    def min_version(self) -> int:
+        versions = [t.min_version() for t in self.trajectories if t.min_version() != NO_VERSION]
+        return min(versions) if versions else self.dispatch_version
+
+
+class TrainerGroup(Protocol):
+    """The trainer's process group as the controller sees it (local processes or Ray actors)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def train_step(self, groups: list[Group], loss: str) -> dict[str, float]: ...
+
+    def export_weights(self) -> dict[str, Any]:
+        """HF-named full tensors of the current weights (the TransferMesh sending side)."""
+        ...
+
+    def save_checkpoint(self, path: str, trained_ids: list[str]) -> None: ...
+
+    def close(self) -> None: ...
