@@ -220,20 +220,3 @@ class Group:
     def min_version(self) -> int:
         versions = [t.min_version() for t in self.trajectories if t.min_version() != NO_VERSION]
         return min(versions) if versions else self.dispatch_version
-
-
-class TrainerGroup(Protocol):
-    """The trainer's process group as the controller sees it (local processes or Ray actors)."""
-
-    @property
-    def version(self) -> int: ...
-
-    def train_step(self, groups: list[Group], loss: str) -> dict[str, float]: ...
-
-    def export_weights(self) -> dict[str, Any]:
-        """HF-named full tensors of the current weights (the TransferMesh sending side)."""
-        ...
-
-    def save_checkpoint(self, path: str, trained_ids: list[str]) -> None: ...
-
-    def close(self) -> None: ...

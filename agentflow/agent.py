@@ -1,0 +1,124 @@
+"""The white-box agent loop: we own every token between the engine and the environment.
+
+One episode = one root segment. The first prompt is encoded once; after that the segment grows only by the engine's
+output ids (kept exactly) and encodings of new messages (tool results, errors). A malformed tool call becomes an error
+message to the model and the episode continues; an exception from the env marks the trajectory ``error`` (never a
+reward of 0).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from agentflow.chat import IM_END, ChatTokenizer, parse_reply
+from agentflow.types import InferenceEngine, SamplingParams, Segment, Trajectory, Turn
+from envs.core import answer_action, tool_action
+
+
+@dataclass
+class EpisodeSpec:
+    """What to run: a task seed of a split, and where the trajectory belongs."""
+
+    traj_id: str
+    group_id: str
+    seed: int
+    split: str = "train"
+    data_source: str = "default"
+    env_id: str = ""
+
+
+async def run_episode(
+    engine: InferenceEngine,
+    tokenizer: ChatTokenizer,
+    env: Any,
+    spec: EpisodeSpec,
+    sampling: SamplingParams,
+    max_len: int,
+) -> Trajectory:
+    """Play one episode; always returns a trajectory (status says how it ended)."""
+    traj = Trajectory(
+        id=spec.traj_id, task_id=f"{spec.split}:{spec.seed}", group_id=spec.group_id, env_id=spec.env_id
+    )
+    traj.data_source = spec.data_source
+    t0 = time.perf_counter()
+    try:
+        await _play(engine, tokenizer, env, spec, sampling, max_len, traj)
+    except Exception as e:  # the env or engine failed: keep the tokens, say why, never score it
+        traj.status, traj.reward = "error", None
+        traj.error = f"{type(e).__name__}: {e}"
+        traj.info["traceback"] = traceback.format_exc(limit=5)
+    traj.timings["episode_s"] = time.perf_counter() - t0
+    return traj
+
+
+async def _play(engine, tokenizer, env, spec, sampling, max_len, traj: Trajectory) -> None:
+    obs, info = await env.areset(seed=spec.seed, options={"split": spec.split})
+    traj.info.update(task_type=info.get("task_type"), split=spec.split)
+    seg = Segment(kind="root")
+    traj.segments.append(seg)
+    seg.append_context(tokenizer.prompt_ids(env.system_prompt, obs, [t.to_openai() for t in env.tools]))
+    gen_s = env_s = 0.0
+    for turn_idx in range(env.max_turns):
+        budget = min(sampling.max_new_tokens, max_len - len(seg.token_ids))
+        if budget <= 0:
+            traj.status, traj.reward = "truncated", 0.0
+            break
+        t = time.perf_counter()
+        req = _with_budget(sampling, budget, tokenizer.stop_ids)
+        res = await engine.generate(list(seg.token_ids), req, rid=f"{traj.id}:{turn_idx}")
+        gen_s += time.perf_counter() - t
+        start = len(seg.token_ids)
+        seg.append_generated(res.output_ids, res.logprobs, res.versions)
+        if res.finish_reason == "abort":
+            traj.status, traj.reward = "aborted", None
+            break
+        if res.finish_reason == "length":  # close the unfinished message so the next turn stays well-formed
+            seg.append_context(tokenizer.encode(IM_END))
+        t = time.perf_counter()
+        span = (start, start + len(res.output_ids))
+        turn, done, step_info = await _act(env, tokenizer.decode(res.output_ids), turn_idx, span)
+        env_s += time.perf_counter() - t
+        traj.turns.append(turn)
+        if done:
+            traj.reward = turn.reward
+            if step_info.get("truncated"):
+                traj.status = "truncated"
+            traj.info["success"] = bool(step_info.get("success", turn.reward > 0))
+            break
+        seg.append_context(tokenizer.continuation_ids([{"role": "tool", "content": turn.observation}]))
+    else:
+        traj.status, traj.reward = "truncated", 0.0
+    if traj.status == "truncated":
+        traj.info["success"] = False
+    traj.timings.update(generate_s=gen_s, env_s=env_s)
+
+
+async def _act(env, text: str, idx: int, span: tuple[int, int]) -> tuple[Turn, bool, dict]:
+    """Turn model text into a canonical action and step the env (or answer with an error message)."""
+    reply = parse_reply(text)
+    if reply.error is not None:
+        turn = Turn(index=idx, action=None, observation=f"Error: {reply.error}", error=reply.error, span=span)
+        return turn, False, {}
+    if reply.tool_calls:
+        call = reply.tool_calls[0]  # one tool call per turn: the env answers each turn once
+        action = tool_action(call.name, call.arguments)
+    else:
+        action = answer_action(reply.content)
+    obs, reward, terminated, truncated, info = await env.astep(action)
+    turn = Turn(index=idx, action=action, observation=obs, reward=float(reward), span=span)
+    turn.images = list(info.get("images", []))
+    return turn, bool(terminated or truncated), {**info, "truncated": bool(truncated and not terminated)}
+
+
+def _with_budget(sampling: SamplingParams, budget: int, stop_ids: tuple[int, ...]) -> SamplingParams:
+    return SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        max_new_tokens=budget,
+        stop_token_ids=tuple(sampling.stop_token_ids) or stop_ids,
+        seed=sampling.seed,
+    )

@@ -1,0 +1,92 @@
+"""``agentflow`` command line. Heavy imports happen inside the commands, so ``--help`` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="agentflow", description="Agentic environment gym + asynchronous RL trainer")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_cmd", required=True)
+    init = model.add_parser("init", help="create a small random Qwen2 HF model directory with a local tokenizer")
+    init.add_argument("out_dir")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--hidden-size", type=int, default=256)
+    init.add_argument("--layers", type=int, default=4)
+
+    train = sub.add_parser("train", help="run an RL job (warm-up SFT, then RL) from a YAML config")
+    train.add_argument("config", nargs="?", help="YAML config (defaults if omitted)")
+    train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. run.steps=10")
+
+    ev = sub.add_parser("eval", help="greedy success on held-out tasks")
+    ev.add_argument("config", nargs="?")
+    ev.add_argument("overrides", nargs="*")
+    ev.add_argument("--model", help="model directory (default: the config's model.path)")
+
+    envs_p = sub.add_parser("envs", help="environment registry").add_subparsers(dest="envs_cmd", required=True)
+    envs_p.add_parser("list", help="list registered environment ids")
+    return p
+
+
+def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """Allow `agentflow train key=value` without a config file."""
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
+        overrides.insert(0, config)
+        config = None
+    return config, overrides
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.cmd == "model":
+        from agentflow.model_init import ModelInitConfig, count_parameters, init_model
+
+        cfg = ModelInitConfig(seed=args.seed, hidden_size=args.hidden_size, num_hidden_layers=args.layers)
+        out = init_model(args.out_dir, cfg)
+        print(f"wrote {out} ({count_parameters(cfg) / 1e6:.2f}M parameters)")
+        return 0
+    if args.cmd == "envs":
+        import envs
+
+        for env_id in envs.list_envs():
+            print(env_id)
+        return 0
+    from agentflow.config import load_config
+
+    config, overrides = _split_config(args)
+    cfg = load_config(config, overrides)
+    if args.cmd == "train":
+        from agentflow.job import run_job
+
+        summary = run_job(cfg)
+        print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=2))
+        return 0
+    from agentflow.job import run_eval
+
+    print(json.dumps(run_eval(cfg, args.model), indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from agentflow.config import ConfigError
+    from agentflow.job import JobError
+    from envs.errors import EnvError
+
+    try:
+        return _run(args)
+    except (ConfigError, JobError, EnvError, FileNotFoundError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        print(f"agentflow: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("agentflow: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

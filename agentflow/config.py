@@ -1,0 +1,211 @@
+"""The job's one typed config: pydantic sections, YAML file plus dotted ``key=value`` overrides.
+
+Unknown keys and wrong types are errors with the full dotted path and, for a misspelt key, a suggestion. The resolved
+config is written into the run directory as ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = "runs/models/demo-init"
+    """Local Hugging Face model directory (config.json, *.safetensors, tokenizer.json)."""
+    init_if_missing: bool = True
+    """Create a small random Qwen2 model at ``path`` (``agentflow model init``) when the directory does not exist."""
+    init_seed: int = 0
+    """Seed of the model created by ``init_if_missing``."""
+
+
+class EnvConfig(Section):
+    id: str = "agentflow/Calc-v0"
+    """Registered environment id (``agentflow envs list``)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for ``envs.make``."""
+
+
+class RolloutConfig(Section):
+    group_size: int = Field(4, ge=1)
+    """Trajectories sampled per task (GRPO group)."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature of rollouts."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling cut-off."""
+    max_new_tokens: int = Field(64, ge=1)
+    """New tokens per model turn."""
+    max_concurrency: int = Field(32, ge=1)
+    """Episodes in flight at once (bounded further by the store's window)."""
+
+
+class EngineConfig(Section):
+    max_slots: int = Field(32, ge=1)
+    """Sequences decoded together (KV cache slots)."""
+    max_len: int = Field(640, ge=16)
+    """Tokens per KV cache slot (prompt + all turns)."""
+
+
+class StoreConfig(Section):
+    batch_groups: int = Field(8, ge=1)
+    """B: groups per train step."""
+    stale_steps: int = Field(1, ge=0)
+    """Largest allowed staleness (trainer version - oldest token version) of a trained trajectory."""
+
+
+class TrainerConfig(Section):
+    lr: float = Field(1e-5, gt=0)
+    """Peak AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps of the LR schedule."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global gradient norm."""
+    loss: Literal["grpo", "sft"] = "grpo"
+    """Policy loss."""
+    clip_eps: float = Field(0.2, gt=0)
+    """PPO-style ratio clip."""
+    tis_cap: float = Field(2.0, gt=0)
+    """Cap C of truncated importance sampling weights min(pi_old / pi_behaviour, C)."""
+    micro_batch_tokens: int = Field(4096, ge=64)
+    """Token budget of one padded micro-batch (gradient accumulation across micro-batches)."""
+    seed: int = 0
+    """Trainer seed."""
+
+
+class SFTConfig(Section):
+    enabled: bool = True
+    """Warm up with supervised fine-tuning on the scripted policy's traces before RL."""
+    expert: str = "envs.demo:expert_action"
+    """Scripted expert, ``module:function`` taking ``(env, history)`` and returning a canonical action string."""
+    episodes: int = Field(512, ge=1)
+    """Scripted training episodes to imitate."""
+    val_episodes: int = Field(64, ge=1)
+    """Scripted validation episodes (loss curve and early stopping)."""
+    max_epochs: int = Field(20, ge=1)
+    """Upper bound on epochs; training stops when validation loss stops improving."""
+    patience: int = Field(2, ge=1)
+    """Epochs without validation improvement before stopping."""
+    lr: float = Field(1e-3, gt=0)
+    """SFT learning rate."""
+    batch_size: int = Field(16, ge=1)
+    """Sequences per SFT step."""
+
+
+class EvalConfig(Section):
+    episodes: int = Field(200, ge=1)
+    """Held-out (eval split) episodes per evaluation, greedy decoding."""
+    every_steps: int = Field(0, ge=0)
+    """Evaluate every N RL steps (0: only before and after RL)."""
+
+
+class RunConfig(Section):
+    dir: str = "runs/demo"
+    """Run directory: config, journal, metrics, checkpoints, summary."""
+    mode: Literal["async", "sync"] = "async"
+    """``async``: rollouts continue while the trainer steps; ``sync``: generate a batch, then train."""
+    steps: int = Field(20, ge=0)
+    """RL steps (optimizer steps, each one weight version)."""
+    seed: int = 0
+    """Seed of task sampling."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Save a checkpoint every N steps (0: only at the end)."""
+    threads: int = Field(1, ge=1)
+    """Torch threads per process."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+class JobConfig(Section):
+    """One RL job."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, f in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _known_keys(ann, prefix + name + ".")
+    return keys
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, _known_keys(JobConfig), n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not key=value")
+    key, value = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{key}': '{p}' is not a section")
+    node[parts[-1]] = _parse_value(value)
+
+
+def _format_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    key = ".".join(str(x) for x in e["loc"])
+    if e["type"] == "extra_forbidden":
+        return f"unknown config key '{key}'.{_suggest(key)}"
+    return f"config key '{key}': {e['msg']} (got {e.get('input')!r})"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a YAML config (or start from defaults), apply dotted overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    for item in overrides or []:
+        apply_override(data, item)
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def save_config(cfg: JobConfig, run_dir: str | Path) -> Path:
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return out

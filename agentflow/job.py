@@ -1,0 +1,182 @@
+"""An RL job from config to summary: model, warm-up SFT, engine + trainer, evaluation before and after, the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import envs
+from agentflow.chat import ChatTokenizer
+from agentflow.config import JobConfig, save_config
+from agentflow.controller import rl_loop
+from agentflow.metrics import MetricsLogger
+from agentflow.rollout import BusyTracker, EnvPool, Rollouts, overlap_seconds, success_summary
+from agentflow.store import Journal, TrajectoryStore, dump_json
+
+
+class JobError(RuntimeError):
+    """A job cannot start; the message says what to fix."""
+
+
+def ensure_model(cfg: JobConfig) -> Path:
+    """The base model directory; create the small demo model there when allowed and missing."""
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return path
+    if path.exists() and any(path.iterdir()):
+        raise JobError(f"model directory {path} has no config.json (not a Hugging Face model directory)")
+    if not cfg.model.init_if_missing:
+        raise JobError(f"model directory not found: {path} (create one with `agentflow model init {path}`)")
+    from agentflow.model_init import ModelInitConfig, init_model
+
+    return init_model(path, ModelInitConfig(seed=cfg.model.init_seed))
+
+
+def check_env_id(cfg: JobConfig) -> None:
+    envs.spec(cfg.env.id)  # raises UnknownEnvError with "did you mean"
+
+
+def _pin_threads(n: int) -> None:
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    torch.set_num_threads(n)
+
+
+def scripted_success(cfg: JobConfig, seeds: list[int]) -> dict[str, Any]:
+    """The scripted expert's success on the held-out seeds (what imitation alone could reach)."""
+    from agentflow.sft import load_expert
+
+    env = envs.make(cfg.env.id, **cfg.env.kwargs)
+    expert = load_expert(cfg.sft.expert)
+    results: list[tuple[str, bool]] = []
+    try:
+        for s in seeds:
+            obs, info = env.reset(seed=s, options={"split": "eval"})
+            history: list[tuple[str, str]] = []
+            for _ in range(env.max_turns):
+                obs, reward, term, trunc, step_info = env.step(action := expert(env, history))
+                history.append((action, obs))
+                if term or trunc:
+                    break
+            results.append((info["task_type"], bool(term and step_info.get("success", reward > 0))))
+    finally:
+        env.close()
+    per: dict[str, list[bool]] = {}
+    for t, ok in results:
+        per.setdefault(t, []).append(ok)
+    return {
+        "success": sum(ok for _, ok in results) / len(results),
+        "per_type": {k: sum(v) / len(v) for k, v in sorted(per.items())},
+    }
+
+
+def run_job(cfg: JobConfig, log=print) -> dict[str, Any]:
+    """Run warm-up SFT (optional) and RL; write and return ``summary.json``."""
+    t_start = time.monotonic()
+    _pin_threads(cfg.run.threads)
+    check_env_id(cfg)
+    run_dir = Path(cfg.run.dir)
+    save_config(cfg, run_dir)
+    base = ensure_model(cfg)
+    policy_dir = base
+    sft_report = None
+    if cfg.sft.enabled:
+        from agentflow.sft import run_sft
+
+        policy_dir = run_sft(cfg, base, run_dir.parent / "cache", log)
+        sft_report = json.loads((policy_dir / "sft_report.json").read_text())
+    summary = asyncio.run(_rl(cfg, policy_dir, run_dir, log))
+    summary["wall_s"] = time.monotonic() - t_start
+    summary["sft"] = sft_report and {k: sft_report[k] for k in ("best_val_loss", "epochs", "curve")}
+    dump_json(run_dir / "summary.json", summary)
+    return summary
+
+
+async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str, Any]:
+    from agentflow.engine.embedded import EmbeddedEngine
+    from trainer.launcher import LocalTrainerGroup
+    from trainer.types import TrainerSettings
+
+    settings = TrainerSettings(**cfg.trainer.model_dump(exclude={"loss"}), threads=cfg.run.threads)
+    trainer = await asyncio.to_thread(LocalTrainerGroup, policy_dir, settings)
+    engine = EmbeddedEngine(policy_dir, max_slots=cfg.engine.max_slots, max_len=cfg.engine.max_len, seed=cfg.run.seed)
+    pool = EnvPool(cfg.env.id, cfg.env.kwargs)
+    stale = 0 if cfg.run.mode == "sync" else cfg.store.stale_steps
+    store = TrajectoryStore(cfg.store.batch_groups, stale, Journal(run_dir / "journal.jsonl"))
+    rollouts = Rollouts(engine, ChatTokenizer(policy_dir), pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
+    metrics = MetricsLogger(run_dir, cfg.run.progress)
+    trainer_busy = BusyTracker()
+    eval_seeds = list(range(cfg.eval.episodes))
+    try:
+        scripted = await asyncio.to_thread(scripted_success, cfg, eval_seeds)
+        before = success_summary(await rollouts.evaluate(eval_seeds, cfg.rollout.max_new_tokens))
+        log(f"before RL: success {before['success']:.3f} {before['per_type']} (scripted {scripted['success']:.3f})")
+        result = await rl_loop(rollouts, store, trainer, engine, cfg, metrics, trainer_busy)
+        after = success_summary(await rollouts.evaluate(eval_seeds, cfg.rollout.max_new_tokens))
+        log(f"after RL:  success {after['success']:.3f} {after['per_type']}")
+        await asyncio.to_thread(trainer.save_checkpoint, metrics.checkpoint_path(result.steps),
+                                {"trained_ids": result.trained_ids})
+    finally:
+        metrics.close()
+        engine.close()
+        pool.close()
+        trainer.close()
+        if store.journal:
+            store.journal.close()
+    window = (result.start, result.end)
+    engine_spans = rollouts.engine_busy.busy_in(*window)
+    trainer_spans = trainer_busy.busy_in(*window)
+    sm = store.metrics()
+    return {
+        "mode": cfg.run.mode,
+        "scripted_policy_success": scripted["success"],
+        "scripted_policy_per_type": scripted["per_type"],
+        "success_before_rl": before["success"],
+        "success_after_rl": after["success"],
+        "per_type_before_rl": before["per_type"],
+        "per_type_after_rl": after["per_type"],
+        "eval_episodes": len(eval_seeds),
+        "eval_errors": {"before": before["errors"], "after": after["errors"]},
+        "rl_steps": result.steps,
+        "rl_wall_s": result.wall_s,
+        "mean_staleness": sm["mean_staleness"],
+        "max_staleness_seen": sm["max_staleness_seen"],
+        "staleness_histogram": store.histogram(),
+        "stale_steps": stale,
+        "dropped_stale_groups": sm["dropped_stale_groups"],
+        "overlap_fraction": overlap_seconds(engine_spans, trainer_spans) / max(result.wall_s, 1e-9),
+        "engine_busy_fraction": sum(b - a for a, b in engine_spans) / max(result.wall_s, 1e-9),
+        "trainer_busy_fraction": sum(b - a for a, b in trainer_spans) / max(result.wall_s, 1e-9),
+        "weight_sync_s_median": sorted(result.sync_s)[len(result.sync_s) // 2] if result.sync_s else None,
+        "trajectories_trained": len(result.trained_ids),
+        "policy_dir": str(policy_dir),
+    }
+
+
+def run_eval(cfg: JobConfig, model_dir: str | None = None) -> dict[str, Any]:
+    """Greedy success of a model directory on the env's held-out split (``eval.episodes`` episodes)."""
+    _pin_threads(cfg.run.threads)
+    check_env_id(cfg)
+    path = Path(model_dir) if model_dir else ensure_model(cfg)
+    if not (path / "config.json").is_file():
+        raise JobError(f"model directory not found: {path}")
+
+    async def go() -> dict[str, Any]:
+        from agentflow.engine.embedded import EmbeddedEngine
+
+        engine = EmbeddedEngine(path, max_slots=cfg.engine.max_slots, max_len=cfg.engine.max_len, seed=cfg.run.seed)
+        pool = EnvPool(cfg.env.id, cfg.env.kwargs)
+        rollouts = Rollouts(engine, ChatTokenizer(path), pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
+        try:
+            trajs = await rollouts.evaluate(list(range(cfg.eval.episodes)), cfg.rollout.max_new_tokens)
+        finally:
+            engine.close()
+            pool.close()
+        return {"model": str(path), **success_summary(trajs)}
+
+    return asyncio.run(go())

@@ -1,0 +1,165 @@
+"""Rollout workers: keep groups of episodes flowing into the store while the window admits them.
+
+Each group is one task seed played ``group_size`` times concurrently. Episodes await the engine and the env, so a
+paused episode (a tool running in its sandbox) holds no engine slot. Env instances are pooled and reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import envs
+from agentflow.agent import EpisodeSpec, run_episode
+from agentflow.chat import ChatTokenizer
+from agentflow.store import TrajectoryStore
+from agentflow.types import Group, InferenceEngine, SamplingParams, Trajectory
+
+
+class BusyTracker:
+    """Intervals during which a component had work; used for utilisation and overlap metrics."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.intervals: list[tuple[float, float]] = []
+        self._since = 0.0
+
+    def enter(self) -> None:
+        if self.active == 0:
+            self._since = time.monotonic()
+        self.active += 1
+
+    def exit(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.intervals.append((self._since, time.monotonic()))
+
+    def busy_in(self, start: float, end: float) -> list[tuple[float, float]]:
+        spans = list(self.intervals) + ([(self._since, time.monotonic())] if self.active else [])
+        return [(max(a, start), min(b, end)) for a, b in spans if min(b, end) > max(a, start)]
+
+
+def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sets of disjoint intervals."""
+    total, i, j = 0.0, 0, 0
+    a, b = sorted(a), sorted(b)
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+class EnvPool:
+    """Env instances made on demand and reused across episodes."""
+
+    def __init__(self, env_id: str, kwargs: dict[str, Any]) -> None:
+        self.env_id, self.kwargs = env_id, kwargs
+        self._free: list[Any] = []
+        self._all: list[Any] = []
+        envs.spec(env_id)  # fail fast with the registry's "did you mean" message
+
+    def acquire(self) -> Any:
+        if self._free:
+            return self._free.pop()
+        env = envs.make(self.env_id, **self.kwargs)
+        self._all.append(env)
+        return env
+
+    def release(self, env: Any) -> None:
+        self._free.append(env)
+
+    def close(self) -> None:
+        for env in self._all:
+            env.close()
+        self._all.clear()
+        self._free.clear()
+
+
+class Rollouts:
+    """Plays episodes against one engine; dispatches RL groups into a store."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer: ChatTokenizer,
+        pool: EnvPool,
+        max_len: int,
+        max_concurrency: int,
+    ) -> None:
+        self.engine, self.tokenizer, self.pool, self.max_len = engine, tokenizer, pool, max_len
+        self.limit = asyncio.Semaphore(max_concurrency)
+        self.engine_busy = BusyTracker()
+        self.episodes = 0
+
+    async def episode(self, spec: EpisodeSpec, sampling: SamplingParams) -> Trajectory:
+        async with self.limit:
+            env = self.pool.acquire()
+            self.engine_busy.enter()
+            try:
+                traj = await run_episode(self.engine, self.tokenizer, env, spec, sampling, self.max_len)
+            finally:
+                self.engine_busy.exit()
+                self.pool.release(env)
+            self.episodes += 1
+            return traj
+
+    async def play_group(self, group_id: str, seed: int, n: int, sampling: SamplingParams) -> Group:
+        specs = [
+            EpisodeSpec(f"{group_id}-{i}", group_id, seed, "train", env_id=self.pool.env_id) for i in range(n)
+        ]
+        version = self.engine.weight_version
+        trajs = await asyncio.gather(*(self.episode(s, sampling) for s in specs))
+        return Group(id=group_id, task_seed=seed, trajectories=list(trajs), dispatch_version=version)
+
+    async def feed(self, store: TrajectoryStore, group_size: int, sampling: SamplingParams, first_seed: int) -> None:
+        """Dispatch groups forever (cancel to stop): each waits for a window slot, then plays and is accepted."""
+        tasks: set[asyncio.Task] = set()
+        seed = first_seed
+        try:
+            while True:
+                gid = f"g{seed}"
+                await store.acquire_slot(gid)
+                task = asyncio.create_task(self._play_and_accept(store, gid, seed, group_size, sampling))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                seed += 1
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _play_and_accept(self, store, gid, seed, n, sampling) -> None:
+        try:
+            group = await self.play_group(gid, seed, n, sampling)
+        except BaseException:
+            await store.fail(gid)
+            raise
+        await store.accept(group)
+
+    async def evaluate(self, seeds: list[int], max_new_tokens: int) -> list[Trajectory]:
+        """Greedy episodes on the eval split."""
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+        specs = [EpisodeSpec(f"eval-{s}", f"eval-{s}", s, "eval", env_id=self.pool.env_id) for s in seeds]
+        return list(await asyncio.gather(*(self.episode(s, sampling) for s in specs)))
+
+
+def success_summary(trajs: list[Trajectory]) -> dict[str, Any]:
+    """Overall and per-task-type success; errors are counted, not scored."""
+    by_type: dict[str, list[bool]] = {}
+    errors = 0
+    for t in trajs:
+        if t.status == "error":
+            errors += 1
+        by_type.setdefault(str(t.info.get("task_type")), []).append(bool(t.info.get("success")))
+    n = len(trajs)
+    return {
+        "success": sum(bool(t.info.get("success")) for t in trajs) / n if n else 0.0,
+        "episodes": n,
+        "errors": errors,
+        "per_type": {k: sum(v) / len(v) for k, v in sorted(by_type.items())},
+    }

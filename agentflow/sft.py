@@ -1,0 +1,133 @@
+"""Warm-up SFT: imitate a scripted expert's traces, stop when validation loss stops improving, cache the result.
+
+Traces are played against the real environment (real sandbox) and tokenized with the same incremental chat format
+the agent uses, so the warm-up model sees exactly the token layout it will generate in RL. The cache key is a hash
+of everything that determines the result (base model files, SFT settings, env id and kwargs, trainer seed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import envs
+from agentflow.chat import IM_END, ChatTokenizer, ToolCall, parse_reply, render_tool_call
+from agentflow.config import JobConfig
+from envs.core import parse_action
+from trainer.types import Sample, TrainerSettings
+
+Expert = Callable[[Any, list[tuple[str, str]]], str]
+
+
+def load_expert(path: str) -> Expert:
+    """A ``module:function`` taking ``(env, history)`` and returning a canonical action string."""
+    module, _, name = path.partition(":")
+    if not name:
+        raise ValueError(f"expert '{path}' must look like 'module:function'")
+    return getattr(importlib.import_module(module), name)
+
+
+def action_text(action: str) -> str:
+    """What the model should write for a canonical action (the inverse of the agent's parsing)."""
+    act = parse_action(action)
+    if hasattr(act, "tool"):
+        return render_tool_call(ToolCall(act.tool, dict(act.arguments)))
+    return str(act.answer)
+
+
+def expert_sample(env: Any, expert: Expert, tok: ChatTokenizer, seed: int, split: str) -> tuple[Sample, bool]:
+    """Play one expert episode and tokenize it as the agent would; returns the sample and whether it succeeded."""
+    obs, info = env.reset(seed=seed, options={"split": split})
+    ids = tok.prompt_ids(env.system_prompt, obs, [t.to_openai() for t in env.tools])
+    mask = [0] * len(ids)
+    history: list[tuple[str, str]] = []
+    success = False
+    for _ in range(env.max_turns):
+        action = expert(env, history)
+        out = tok.encode(action_text(action) + IM_END)
+        assert parse_reply(tok.decode(out)).error is None  # the format must round-trip
+        ids += out
+        mask += [1] * len(out)
+        obs, reward, terminated, truncated, step_info = env.step(action)
+        history.append((action, obs))
+        if terminated or truncated:
+            success = bool(step_info.get("success", reward > 0))
+            break
+        more = tok.continuation_ids([{"role": "tool", "content": obs}])
+        ids += more
+        mask += [0] * len(more)
+    return Sample(ids, mask, [0.0] * len(ids), reward=float(success), sample_id=f"{split}:{seed}"), success
+
+
+def expert_samples(cfg: JobConfig, tok: ChatTokenizer, seeds: range, split: str) -> tuple[list[Sample], float]:
+    env = envs.make(cfg.env.id, **cfg.env.kwargs)
+    expert = load_expert(cfg.sft.expert)
+    try:
+        pairs = [expert_sample(env, expert, tok, s, split) for s in seeds]
+    finally:
+        env.close()
+    return [p[0] for p in pairs], sum(p[1] for p in pairs) / max(len(pairs), 1)
+
+
+def cache_key(cfg: JobConfig, base_dir: Path) -> str:
+    h = hashlib.sha256()
+    for name in sorted(p.name for p in base_dir.iterdir() if p.is_file()):
+        h.update(name.encode())
+        h.update(hashlib.sha256((base_dir / name).read_bytes()).digest())
+    payload = {"sft": cfg.sft.model_dump(), "env": cfg.env.model_dump(), "seed": cfg.trainer.seed, "v": 1}
+    h.update(json.dumps(payload, sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
+def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str], None] = print) -> Path:
+    """Return an HF directory of the warmed-up model, training it unless the cache already has it."""
+    out = cache_root / f"sft-{cache_key(cfg, base_dir)}"
+    if (out / "sft_report.json").is_file():
+        log(f"SFT warm-up: cached at {out}")
+        return out
+    from trainer.launcher import LocalTrainerGroup
+
+    tok = ChatTokenizer(base_dir)
+    train, expert_success = expert_samples(cfg, tok, range(cfg.sft.episodes), "train")
+    val, _ = expert_samples(cfg, tok, range(10_000_000, 10_000_000 + cfg.sft.val_episodes), "train")
+    settings = TrainerSettings(lr=cfg.sft.lr, seed=cfg.trainer.seed, threads=cfg.run.threads, grad_clip=1.0)
+    group = LocalTrainerGroup(base_dir, settings)
+    try:
+        report = _epochs(group, train, val, cfg, out, log)
+    finally:
+        group.close()
+    report["expert_success_train"] = expert_success
+    (out / "sft_report.json").write_text(json.dumps(report, indent=2))
+    return out
+
+
+def _epochs(group: Any, train: list[Sample], val: list[Sample], cfg: JobConfig, out: Path, log) -> dict[str, Any]:
+    import random
+
+    rng = random.Random(cfg.trainer.seed)
+    best, bad, curve = float("inf"), 0, []
+    t0 = time.perf_counter()
+    curve.append({"epoch": 0, "val_loss": group.call("eval_nll", val), "train_loss": None})
+    for epoch in range(1, cfg.sft.max_epochs + 1):
+        order = list(range(len(train)))
+        rng.shuffle(order)
+        losses = []
+        for i in range(0, len(order), cfg.sft.batch_size):
+            batch = [train[j] for j in order[i : i + cfg.sft.batch_size]]
+            losses.append(group.call("train_step", batch, "sft")["loss"])
+        val_loss = group.call("eval_nll", val)
+        curve.append({"epoch": epoch, "train_loss": sum(losses) / len(losses), "val_loss": val_loss})
+        log(f"SFT epoch {epoch}: train {curve[-1]['train_loss']:.4f} val {val_loss:.4f}")
+        if val_loss < best - 1e-4:
+            best, bad = val_loss, 0
+            group.call("save_hf", str(out))
+        else:
+            bad += 1
+            if bad >= cfg.sft.patience:
+                break
+    return {"curve": curve, "best_val_loss": best, "epochs": len(curve) - 1, "wall_s": time.perf_counter() - t0}

@@ -1,0 +1,172 @@
+"""The Megatron trainer, in-process: a megatron-core ``GPTModel`` loaded from an HF directory, AdamW, the losses.
+
+On CPU Megatron's DDP and distributed optimizer hard-code CUDA (NOTES.md), so this path uses ``torch.optim.AdamW``
+and torch's gradient clipping. Each :meth:`train_step` is one optimizer step over all its samples (gradient
+accumulation across micro-batches) and bumps the weight version by one.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer.batching import MicroBatch, make_micro_batches
+from trainer.losses import grpo_loss, group_advantages, sft_loss
+from trainer.model import (
+    build_gpt_model,
+    export_hf_state,
+    init_distributed_cpu,
+    load_hf_dir,
+    load_into_model,
+    save_hf_dir,
+    token_logprobs,
+)
+from trainer.types import Sample, TrainerSettings
+from transfer_mesh.buckets import Bucket, pack_version
+
+
+class MegatronTrainer:
+    """One trainer rank (world size 1 on CPU in v1)."""
+
+    def __init__(self, model_dir: str | Path, settings: TrainerSettings) -> None:
+        torch.set_num_threads(settings.threads)
+        init_distributed_cpu(tp=1)
+        self.model_dir = Path(model_dir)
+        self.settings = settings
+        self.spec, hf_state = load_hf_dir(model_dir)
+        self.model = build_gpt_model(self.spec, seed=settings.seed)
+        load_into_model(self.model, hf_state, self.spec)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.99)
+        )
+        warm = max(settings.warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
+        )
+        self.version = 0
+        self.step = 0
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+
+    # -- training ------------------------------------------------------------------------------------------------
+    def train_step(self, samples: list[Sample], loss: str = "grpo") -> dict[str, float]:
+        """One optimizer step; returns averaged metrics. The version goes up by one."""
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        if loss not in ("grpo", "sft"):
+            raise ValueError(f"unknown loss {loss!r}; choose 'grpo' or 'sft'")
+        t0 = time.perf_counter()
+        adv = group_advantages([s.reward for s in samples], [s.group_id or s.sample_id for s in samples])
+        if loss == "sft":
+            adv = [0.0] * len(samples)
+        batches = make_micro_batches(samples, adv, self.settings.micro_batch_tokens)
+        denom = float(max(sum(b.num_tokens for b in batches), 1))
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for mb in batches:
+            for k, v in self._micro_step(mb, loss, denom).items():
+                sums[k] = sums.get(k, 0.0) + v
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.version += 1
+        self.step += 1
+        metrics = {k: v / denom for k, v in sums.items()}
+        metrics.update(
+            grad_norm=float(grad_norm),
+            lr=self.scheduler.get_last_lr()[0],
+            tokens=denom,
+            samples=len(samples),
+            micro_batches=len(batches),
+            adv_abs_mean=float(np.mean(np.abs(adv))),
+            train_s=time.perf_counter() - t0,
+        )
+        return metrics
+
+    def _micro_step(self, mb: MicroBatch, loss: str, denom: float) -> dict[str, float]:
+        logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask())
+        if loss == "sft":
+            value = sft_loss(logp, mb.target_mask, denom)
+            value.backward()
+            return {"loss": float(value) * denom}
+        value, metrics = grpo_loss(
+            logp,
+            logp.detach(),
+            mb.behaviour_logprobs,
+            mb.advantages,
+            mb.target_mask,
+            denom,
+            clip_eps=self.settings.clip_eps,
+            tis_cap=self.settings.tis_cap,
+        )
+        value.backward()
+        out = {k: float(v) for k, v in metrics.items()}
+        out["loss"] = float(value) * denom
+        out["nll"] = float(-(logp.detach() * mb.target_mask).sum())
+        return out
+
+    @torch.no_grad()
+    def eval_nll(self, samples: list[Sample]) -> float:
+        """Token-level mean negative log-likelihood of the model tokens (SFT validation loss)."""
+        batches = make_micro_batches(samples, [0.0] * len(samples), self.settings.micro_batch_tokens)
+        total, count = 0.0, 0
+        for mb in batches:
+            logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask())
+            total += float(-(logp * mb.target_mask).sum())
+            count += mb.num_tokens
+        return total / max(count, 1)
+
+    @torch.no_grad()
+    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Per-token log-probs of one sequence (position t: token t+1), as the loss sees them."""
+        ids = torch.tensor([token_ids])
+        return token_logprobs(self.model, ids).squeeze(0).tolist()
+
+    # -- weights out ---------------------------------------------------------------------------------------------
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return export_hf_state(self.model, self.spec)
+
+    def export_buckets(self, bucket_bytes: int = 32 << 20) -> list[Bucket]:
+        """The current version as checksummed buckets (TransferMesh's sending side)."""
+        return pack_version(self.export_weights(), self.version, bucket_bytes)
+
+    def save_hf(self, out_dir: str | Path) -> Path:
+        return save_hf_dir(self.model, self.spec, self.model_dir, out_dir)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """Model, optimizer, scheduler, RNG states, step and version, plus caller's ``extra`` (trained ids)."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "step": self.step,
+            "version": self.version,
+            "extra": extra or {},
+        }
+        tmp = p.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(p)  # atomic: a crash never leaves a half-written checkpoint
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        state = torch.load(path, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        self.step, self.version = state["step"], state["version"]
+        return state["extra"]
