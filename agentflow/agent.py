@@ -39,9 +39,7 @@ async def run_episode(
     max_len: int,
 ) -> Trajectory:
     """Play one episode; always returns a trajectory (status says how it ended)."""
-    traj = Trajectory(
-        id=spec.traj_id, task_id=f"{spec.split}:{spec.seed}", group_id=spec.group_id, env_id=spec.env_id
-    )
+    traj = Trajectory(id=spec.traj_id, task_id=f"{spec.split}:{spec.seed}", group_id=spec.group_id, env_id=spec.env_id)
     traj.data_source = spec.data_source
     t0 = time.perf_counter()
     try:

@@ -36,23 +36,23 @@ TOOLS_FOOTER = "</tools>\nTo call a tool, reply with <tool_call>{json}</tool_cal
 
 #: The same format as a Jinja chat template, saved in tokenizer_config.json so HF tooling renders identically.
 CHAT_TEMPLATE = (
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'system' -%}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}"
     "<|im_start|>system\n{{ m.content }}"
-    "{%- if tools %}\n\n# Tools\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
+    "{% if tools %}{{ '\\n\\n# Tools\\n<tools>\\n' }}{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools>\n"
     "To call a tool, reply with <tool_call>{json}</tool_call>.{% endif %}<|im_end|>\n"
-    "{%- elif m.role == 'assistant' -%}"
+    "{% elif m.role == 'assistant' %}"
     "<|im_start|>assistant\n{{ m.content or '' }}"
-    "{%- for tc in (m.tool_calls or []) -%}"
+    "{% for tc in (m.tool_calls or []) %}"
     "<tool_call>\n{{ {'name': tc.function.name, 'arguments': tc.function.arguments} | tojson }}\n</tool_call>"
-    "{%- endfor -%}<|im_end|>\n"
-    "{%- elif m.role == 'tool' -%}"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}"
     "<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{%- else -%}"
+    "{% else %}"
     "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif -%}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 _TOOL_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
@@ -78,9 +78,8 @@ class AssistantReply:
 
 
 def _tojson(obj: Any) -> str:
-    # Jinja's tojson sorts keys and escapes <>&'; we mirror json.dumps with sort_keys and the same escapes.
-    text = json.dumps(obj, sort_keys=True)
-    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026").replace("'", "\\u0027")
+    # As Hugging Face's chat-template ``tojson``: insertion order, no HTML escaping, non-ASCII kept.
+    return json.dumps(obj, ensure_ascii=False)
 
 
 def render_tool_call(call: ToolCall) -> str:

@@ -40,17 +40,20 @@ async def rl_loop(
     trainer_busy: BusyTracker,
 ) -> LoopResult:
     sync = cfg.run.mode == "sync"
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                              max_new_tokens=cfg.rollout.max_new_tokens)
+    sampling = SamplingParams(
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens
+    )
     result = LoopResult(start=time.monotonic())
-    feeder = asyncio.create_task(rollouts.feed(store, cfg.rollout.group_size, sampling, first_seed=cfg.run.seed * 10**6))
+    feeder = asyncio.create_task(
+        rollouts.feed(store, cfg.rollout.group_size, sampling, first_seed=cfg.run.seed * 10**6)
+    )
     try:
         for step in log.progress(range(cfg.run.steps), desc=f"RL ({cfg.run.mode})"):
-            batch = await _next_batch(store, feeder, close_gate=sync)          # B finished groups, within the window
+            batch = await _next_batch(store, feeder, close_gate=sync)  # B finished groups, within the window
             samples = to_samples(batch)
             trainer_busy.enter()
             metrics = await asyncio.to_thread(trainer.train_step, samples, cfg.trainer.loss)  # rollouts go on
-            version, sync_s = await sync_weights(trainer, engine)              # TransferMesh: trainer -> engine
+            version, sync_s = await sync_weights(trainer, engine)  # TransferMesh: trainer -> engine
             trainer_busy.exit()
             await store.set_trainer_version(version)
             if sync:
@@ -59,8 +62,9 @@ async def rl_loop(
             result.sync_s.append(sync_s)
             log.step(step + 1, train=metrics, rollout=batch_metrics(batch), store=store.metrics(), sync_s=sync_s)
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
-                await asyncio.to_thread(trainer.save_checkpoint, log.checkpoint_path(step + 1),
-                                        {"trained_ids": list(result.trained_ids)})
+                await asyncio.to_thread(
+                    trainer.save_checkpoint, log.checkpoint_path(step + 1), {"trained_ids": list(result.trained_ids)}
+                )
             result.steps = step + 1
     finally:
         feeder.cancel()

@@ -119,8 +119,9 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str,
         result = await rl_loop(rollouts, store, trainer, engine, cfg, metrics, trainer_busy)
         after = success_summary(await rollouts.evaluate(eval_seeds, cfg.rollout.max_new_tokens))
         log(f"after RL:  success {after['success']:.3f} {after['per_type']}")
-        await asyncio.to_thread(trainer.save_checkpoint, metrics.checkpoint_path(result.steps),
-                                {"trained_ids": result.trained_ids})
+        await asyncio.to_thread(
+            trainer.save_checkpoint, metrics.checkpoint_path(result.steps), {"trained_ids": result.trained_ids}
+        )
     finally:
         metrics.close()
         engine.close()

@@ -109,9 +109,7 @@ class Rollouts:
             return traj
 
     async def play_group(self, group_id: str, seed: int, n: int, sampling: SamplingParams) -> Group:
-        specs = [
-            EpisodeSpec(f"{group_id}-{i}", group_id, seed, "train", env_id=self.pool.env_id) for i in range(n)
-        ]
+        specs = [EpisodeSpec(f"{group_id}-{i}", group_id, seed, "train", env_id=self.pool.env_id) for i in range(n)]
         version = self.engine.weight_version
         trajs = await asyncio.gather(*(self.episode(s, sampling) for s in specs))
         return Group(id=group_id, task_seed=seed, trajectories=list(trajs), dispatch_version=version)

@@ -165,7 +165,7 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)
 
     def model_versions(self) -> list[int]:
-        return [v for s in self.segments for v, m in zip(s.versions, s.loss_mask) if m]
+        return [v for s in self.segments for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
 
     def min_version(self) -> int:
         versions = self.model_versions()

@@ -53,7 +53,7 @@ def _collate(samples: list[Sample], advantages: list[float], pad_id: int) -> Mic
     mask = torch.zeros(b, s - 1)
     behav = torch.zeros(b, s - 1)
     adv = torch.zeros(b, s - 1)
-    for r, (x, a) in enumerate(zip(samples, advantages)):
+    for r, (x, a) in enumerate(zip(samples, advantages, strict=True)):
         n = len(x.token_ids)
         ids[r, :n] = torch.tensor(x.token_ids)
         mask[r, : n - 1] = torch.tensor(x.loss_mask[1:], dtype=torch.float32)

@@ -31,8 +31,8 @@ def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e
     for idx in groups.values():
         r = torch.tensor([rewards[i] for i in idx], dtype=torch.float64)
         std = r.std(unbiased=False) if len(idx) > 1 else torch.tensor(0.0, dtype=torch.float64)
-        a = (r - r.mean()) / (std + eps)
-        for i, v in zip(idx, a.tolist()):
+        a = (r - r.mean()) / (std + eps) if std > 0 else torch.zeros_like(r)
+        for i, v in zip(idx, a.tolist(), strict=True):
             adv[i] = v
     return adv
 

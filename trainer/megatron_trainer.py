@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from trainer.batching import MicroBatch, make_micro_batches
-from trainer.losses import grpo_loss, group_advantages, sft_loss
+from trainer.losses import group_advantages, grpo_loss, sft_loss
 from trainer.model import (
     build_gpt_model,
     export_hf_state,

@@ -1,0 +1,453 @@
+"""The embedded CPU inference engine: continuous batching over a slot-based KV cache on a background thread.
+
+One decode thread owns the model, the KV cache and the running requests. Callers hand it work through a condition
+variable: new requests (a queue that waits for free slots), aborts, and *ops* (pause, resume, weight updates,
+scoring, cache flushes), which the thread runs between decode steps so that a step never sees half-applied weights.
+Every step admits waiting requests (prefill into a free slot, sample one token), then decodes one token for every
+running request in one batched forward pass; requests leave as soon as they finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from agentflow.engine.qwen2 import DecoderModel, KVCache, load_hf_dir, validate_weights
+from agentflow.engine.sampling import sample_batch
+from agentflow.types import FinishReason, GenerateResult, PauseMode, SamplingParams, ScoreResult
+
+T = TypeVar("T")
+Deliver = Callable[[GenerateResult | BaseException], None]
+_PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(eq=False)
+class _Request:
+    """One request as the decode thread sees it."""
+
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator
+    deliver: Deliver
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    slot: int | None = None
+    cached: int = 0
+    """Tokens of ``prompt + output`` whose keys and values are in the slot."""
+
+    def result(self, reason: FinishReason) -> GenerateResult:
+        return GenerateResult(
+            rid=self.rid,
+            output_ids=list(self.output),
+            logprobs=list(self.logprobs),
+            versions=list(self.versions),
+            finish_reason=reason,
+            prompt_tokens=len(self.prompt),
+        )
+
+
+def _safe_deliver(deliver: Deliver, value: GenerateResult | BaseException) -> None:
+    """Hand a result over; a caller that went away (closed loop, cancelled future) must not hurt the thread."""
+    try:
+        deliver(value)
+    except (RuntimeError, cf.InvalidStateError):
+        pass
+
+
+def _settle(fut: asyncio.Future[GenerateResult], value: GenerateResult | BaseException) -> None:
+    if fut.done():
+        return
+    if isinstance(value, BaseException):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
+
+
+class EmbeddedEngine:
+    """In-process InferenceEngine over a local Hugging Face Qwen2/Llama directory (fp32, CPU).
+
+    ``max_slots`` bounds concurrent requests (more wait in a queue) and ``max_len`` bounds prompt + output tokens
+    of one request; together they size the preallocated KV cache. ``seed`` seeds requests that carry no seed.
+    """
+
+    def __init__(self, model_dir: str | Path, max_slots: int = 32, max_len: int = 1024, seed: int = 0) -> None:
+        self.model: DecoderModel = load_hf_dir(model_dir)
+        self.cache = KVCache(self.model.config, max_slots, max_len)
+        self.max_slots = max_slots
+        self.max_len = max_len
+        self._seed = seed
+        self._counter = 0
+        self._cv = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[int, _Request] = {}
+        self._free_slots: list[int] = list(range(max_slots - 1, -1, -1))
+        self._rids: set[str] = set()
+        self._aborts: set[str] = set()
+        self._ops: deque[tuple[Callable[[], Any], cf.Future[Any]]] = deque()
+        self._paused: PauseMode | None = None
+        self._closed = False
+        self._version = 0
+        self._stats: dict[str, float] = {
+            "decode_steps": 0,
+            "prefills": 0,
+            "prefill_tokens": 0,
+            "tokens_generated": 0,
+            "busy_seconds": 0.0,
+            "requests_finished": 0,
+            "requests_aborted": 0,
+            "scores": 0,
+            "errors": 0,
+        }
+        self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------------------------- public API
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the next logits will be computed with."""
+        return self._version
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None) -> GenerateResult:
+        """Generate from ``input_ids``; cancelling the awaiting task aborts the request."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[GenerateResult] = loop.create_future()
+        rid = self._enqueue(input_ids, sampling, rid, lambda v: loop.call_soon_threadsafe(_settle, fut, v))
+        fut.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
+        return await fut
+
+    def submit(
+        self, input_ids: list[int], sampling: SamplingParams | None = None, rid: str | None = None
+    ) -> cf.Future[GenerateResult]:
+        """Enqueue a request from any thread; the returned future carries its result or error."""
+        fut: cf.Future[GenerateResult] = cf.Future()
+
+        def deliver(value: GenerateResult | BaseException) -> None:
+            if isinstance(value, BaseException):
+                fut.set_exception(value)
+            else:
+                fut.set_result(value)
+
+        try:
+            self._enqueue(input_ids, sampling or SamplingParams(), rid, deliver)
+        except ValueError as exc:
+            fut.set_exception(exc)
+        return fut
+
+    def generate_sync(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams | None = None,
+        rid: str | None = None,
+        timeout: float | None = None,
+    ) -> GenerateResult:
+        """Blocking :meth:`generate` (not from the decode thread itself)."""
+        return self.submit(input_ids, sampling, rid).result(timeout)
+
+    def score(self, ids: list[int], start: int, top_k: int = 0) -> ScoreResult:
+        """Log-probs of ``ids[start:]`` each given its prefix (``start >= 1``), with ``top_k`` alternatives if > 0."""
+        ids = self._check_ids(ids)
+        if not 1 <= start <= len(ids):
+            raise ValueError(f"score start must be in [1, {len(ids)}], got {start}")
+        limit = self.model.config.max_position_embeddings
+        if limit and len(ids) > limit:
+            raise ValueError(f"{len(ids)} tokens exceed max_position_embeddings {limit}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        return self._run_op(lambda: self._do_score(ids, start, top_k))
+
+    def update_weights(self, version: int, named_tensors: dict[str, Any]) -> None:
+        """Validate a whole version (HF names -> tensors), then copy it in between decode steps.
+
+        Raises ValueError naming the problem (unknown or missing name, wrong shape, non-float or non-finite
+        values) and keeps the old weights and version.
+        """
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"version must be an int, got {version!r}")
+        problem = validate_weights(self.model.config, named_tensors)
+        if problem:
+            raise ValueError(f"rejected weights for version {version}: {problem}")
+        self._run_op(lambda: self._do_update(version, named_tensors))
+
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        """Stop decoding after the current step. ``abort`` finishes in-flight requests with their partial output;
+        ``retract`` keeps them but drops their KV (re-prefilled on resume); ``in_place`` keeps them and their KV."""
+        if mode not in _PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {_PAUSE_MODES}, got {mode!r}")
+        self._run_op(lambda: self._do_pause(mode))
+
+    def resume(self) -> None:
+        """Continue decoding (requests that arrived while paused are admitted now)."""
+        self._run_op(self._do_resume)
+
+    def abort(self, rid: str) -> None:
+        """Finish request ``rid`` with ``finish_reason="abort"`` and its partial output; unknown ids are ignored."""
+        with self._cv:
+            if rid in self._rids:
+                self._aborts.add(rid)
+                self._cv.notify_all()
+
+    def flush_cache(self) -> bool:
+        """Drop cached KV that no request holds. There is no prefix cache in v1, so this is a synchronised no-op
+        (safe while paused: in-place paused requests keep their KV)."""
+        return self._run_op(lambda: True)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (decode steps, tokens generated, busy seconds in forward passes, ...) and current load."""
+        with self._cv:
+            waiting = len(self._waiting)
+        out: dict[str, Any] = dict(self._stats)
+        out.update(
+            running=len(self._running),
+            waiting=waiting,
+            weight_version=self._version,
+            paused=self._paused,
+            max_slots=self.max_slots,
+            max_len=self.max_len,
+            kv_cache_bytes=self.cache.nbytes(),
+        )
+        return out
+
+    def close(self) -> None:
+        """Stop the decode thread; requests still in flight finish with ``finish_reason="abort"``."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> EmbeddedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------------------------------- caller-side helpers
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        out = [int(t) for t in ids]
+        if not out:
+            raise ValueError("input_ids is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in out if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        return out
+
+    def _enqueue(self, input_ids: list[int], sampling: SamplingParams, rid: str | None, deliver: Deliver) -> str:
+        """Validate and queue one request; return its rid. Raises ValueError for a request that cannot run."""
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        prompt = self._check_ids(input_ids)
+        if len(prompt) >= self.max_len:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens does not fit max_len={self.max_len} (prompt + output tokens)"
+            )
+        rid = rid if rid is not None else uuid.uuid4().hex
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            if rid in self._rids:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            self._counter += 1
+            seed = sampling.seed if sampling.seed is not None else (self._seed * 1_000_003 + self._counter)
+            gen = torch.Generator().manual_seed(seed % (2**63))
+            req = _Request(rid, prompt, sampling, gen, deliver)
+            if sampling.max_new_tokens == 0:
+                _safe_deliver(deliver, req.result("length"))
+                return rid
+            self._rids.add(rid)
+            self._waiting.append(req)
+            self._cv.notify_all()
+        return rid
+
+    def _run_op(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the decode thread between steps and wait for its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        fut: cf.Future[T] = cf.Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("engine is closed")
+            self._ops.append((fn, fut))
+            self._cv.notify_all()
+        return fut.result()
+
+    # ------------------------------------------------------------------------------------------- decode thread
+
+    def _has_work(self) -> bool:
+        busy = self._paused is None and bool(self._waiting or self._running)
+        return self._closed or bool(self._ops) or bool(self._aborts) or busy
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(self._has_work)
+                if self._closed:
+                    break
+                ops = list(self._ops)
+                self._ops.clear()
+                aborts, self._aborts = self._aborts, set()
+            for fn, fut in ops:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # handed to the caller
+                        fut.set_exception(exc)
+            try:
+                self._handle_aborts(aborts)
+                if self._paused is None:
+                    self._step()
+            except Exception as exc:  # every pending request learns the error
+                self._stats["errors"] += 1
+                self._fail_all(exc)
+        self._shutdown()
+
+    def _step(self) -> None:
+        """Admit waiting requests into free slots, then decode one token for every running request."""
+        admitted: list[_Request] = []
+        while self._free_slots:
+            with self._cv:
+                if not self._waiting:
+                    break
+                req = self._waiting.popleft()
+            req.slot = self._free_slots.pop()
+            self._running[req.slot] = req
+            admitted.append(req)
+            self._prefill(req)
+        active = [r for slot, r in sorted(self._running.items()) if r not in admitted]
+        if active:
+            self._decode(active)
+
+    def _prefill(self, req: _Request) -> None:
+        assert req.slot is not None
+        seq = req.prompt + req.output
+        ids = torch.tensor(seq[req.cached :], dtype=torch.long)
+        t0 = time.perf_counter()
+        logits = self.model.prefill(self.cache, req.slot, ids, req.cached)
+        self._stats["busy_seconds"] += time.perf_counter() - t0
+        self._stats["prefills"] += 1
+        self._stats["prefill_tokens"] += len(ids)
+        req.cached = len(seq)
+        self._accept([req], logits[None])
+
+    def _decode(self, reqs: list[_Request]) -> None:
+        slots = torch.tensor([r.slot for r in reqs], dtype=torch.long)
+        tokens = torch.tensor([r.output[-1] for r in reqs], dtype=torch.long)
+        positions = torch.tensor([r.cached for r in reqs], dtype=torch.long)
+        t0 = time.perf_counter()
+        logits = self.model.decode(self.cache, slots, tokens, positions)
+        self._stats["busy_seconds"] += time.perf_counter() - t0
+        self._stats["decode_steps"] += 1
+        for r in reqs:
+            r.cached += 1
+        self._accept(reqs, logits)
+
+    def _accept(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+        """Sample one token per request from ``logits``, stamp it, and finish requests that are done."""
+        picks = sample_batch(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+        for req, (tok, lp) in zip(reqs, picks, strict=True):
+            req.output.append(tok)
+            req.logprobs.append(lp)
+            req.versions.append(self._version)
+            self._stats["tokens_generated"] += 1
+            if tok in req.sampling.stop_token_ids:
+                self._finish(req, "stop")
+            elif len(req.output) >= req.sampling.max_new_tokens or len(req.prompt) + len(req.output) >= self.max_len:
+                self._finish(req, "length")
+
+    def _release(self, req: _Request) -> None:
+        if req.slot is not None:
+            self._running.pop(req.slot, None)
+            self._free_slots.append(req.slot)
+            req.slot = None
+        req.cached = 0
+        with self._cv:
+            self._rids.discard(req.rid)
+
+    def _finish(self, req: _Request, reason: FinishReason) -> None:
+        self._release(req)
+        self._stats["requests_aborted" if reason == "abort" else "requests_finished"] += 1
+        _safe_deliver(req.deliver, req.result(reason))
+
+    def _handle_aborts(self, rids: set[str]) -> None:
+        if not rids:
+            return
+        with self._cv:
+            queued = [r for r in self._waiting if r.rid in rids]
+            for r in queued:
+                self._waiting.remove(r)
+        for req in queued + [r for r in self._running.values() if r.rid in rids]:
+            self._finish(req, "abort")
+
+    def _take_all(self) -> list[_Request]:
+        """Remove every running and waiting request from the engine's books (running first)."""
+        running = [r for _, r in sorted(self._running.items())]
+        with self._cv:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        return running + waiting
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for req in self._take_all():
+            self._release(req)
+            _safe_deliver(req.deliver, exc)
+
+    def _shutdown(self) -> None:
+        for req in self._take_all():
+            self._finish(req, "abort")
+        with self._cv:
+            ops = list(self._ops)
+            self._ops.clear()
+        for _, fut in ops:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("engine is closed"))
+
+    # -------------------------------------------------------------------------------- ops (on the decode thread)
+
+    def _do_pause(self, mode: PauseMode) -> None:
+        self._paused = mode
+        if mode == "abort":
+            for req in self._take_all():
+                self._finish(req, "abort")
+        elif mode == "retract":
+            running = [r for _, r in sorted(self._running.items())]
+            for req in running:
+                self._release(req)
+                with self._cv:
+                    self._rids.add(req.rid)
+            with self._cv:
+                self._waiting.extendleft(reversed(running))
+
+    def _do_resume(self) -> None:
+        self._paused = None
+
+    def _do_update(self, version: int, named_tensors: dict[str, Any]) -> None:
+        self.model.load_(named_tensors)
+        self._version = version
+
+    def _do_score(self, ids: list[int], start: int, top_k: int) -> ScoreResult:
+        t0 = time.perf_counter()
+        logits = self.model.forward_full(torch.tensor(ids, dtype=torch.long))
+        self._stats["busy_seconds"] += time.perf_counter() - t0
+        self._stats["scores"] += 1
+        logp = torch.log_softmax(logits[start - 1 : len(ids) - 1], dim=-1)
+        targets = torch.tensor(ids[start:], dtype=torch.long)
+        lps = logp.gather(1, targets[:, None])[:, 0].tolist()
+        top: list[list[tuple[int, float]]] | None = None
+        if top_k > 0:
+            vals, idx = torch.topk(logp, min(top_k, logp.shape[-1]), dim=-1)
+            top = [list(zip(i.tolist(), v.tolist(), strict=True)) for i, v in zip(idx, vals, strict=True)]
+        return ScoreResult(logprobs=lps, top_logprobs=top, weight_version=self._version)

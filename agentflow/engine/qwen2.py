@@ -1,0 +1,330 @@
+"""A pure-torch Qwen2/Llama decoder (fp32) with a slot-based KV cache, loaded from Hugging Face names.
+
+The model keeps its weights in a flat ``{hf_name: tensor}`` dict (the names a Hugging Face checkpoint and the
+trainer's exporter use), so a weight update is a validated, name-by-name ``copy_``. Three forward paths share one
+layer loop and differ only in how attention sees keys and values:
+
+- :meth:`DecoderModel.forward_full`: one sequence, no cache (scoring);
+- :meth:`DecoderModel.prefill`: one sequence (or its uncached suffix) written into a cache slot at given positions;
+- :meth:`DecoderModel.decode`: one new token for each of a set of slots, each at its own position.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+_SUPPORTED_TYPES = ("qwen2", "llama")
+
+#: Per-layer attention: (layer index, q [N, heads, hd], k [N, kv_heads, hd], v [N, kv_heads, hd]) -> [N, heads * hd].
+AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture fields the decoder needs, read from a Hugging Face ``config.json``."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 0
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a ``config.json`` dict; raise ValueError for what this decoder does not implement."""
+        model_type = cfg.get("model_type", "")
+        if model_type not in _SUPPORTED_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {_SUPPORTED_TYPES}")
+        act = cfg.get("hidden_act", "silu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {act!r}")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        if model_type == "qwen2" and cfg.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type == "qwen2" else attention_bias,
+            hidden_act=act,
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+        )
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's Hugging Face name and shape (``lm_head.weight`` only when untied)."""
+        h, hd, kvd = self.hidden_size, self.head_dim, self.num_kv_heads * self.head_dim
+        qd = self.num_heads * hd
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "self_attn.q_proj.weight"] = (qd, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kvd, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kvd, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, qd)
+            if self.qkv_bias:
+                shapes[p + "self_attn.q_proj.bias"] = (qd,)
+                shapes[p + "self_attn.k_proj.bias"] = (kvd,)
+                shapes[p + "self_attn.v_proj.bias"] = (kvd,)
+            if self.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+            shapes[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes["model.norm.weight"] = (h,)
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        return shapes
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"unsupported rope_type {rope_type!r} (only the default RoPE is implemented)")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+class KVCache:
+    """Preallocated keys and values: ``[layers, 2, max_slots, kv_heads, max_len, head_dim]`` (fp32)."""
+
+    def __init__(self, config: ModelConfig, max_slots: int, max_len: int) -> None:
+        if max_slots < 1 or max_len < 2:
+            raise ValueError(f"need max_slots >= 1 and max_len >= 2, got {max_slots}, {max_len}")
+        self.max_slots = max_slots
+        self.max_len = max_len
+        shape = (config.num_layers, 2, max_slots, config.num_kv_heads, max_len, config.head_dim)
+        self.data = torch.zeros(shape, dtype=torch.float32)
+
+    def nbytes(self) -> int:
+        """Memory held by the cache."""
+        return self.data.numel() * self.data.element_size()
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Hugging Face RMSNorm: ``weight * x / sqrt(mean(x^2) + eps)``."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderModel:
+    """A Qwen2/Llama causal LM over a flat dict of fp32 tensors named as in Hugging Face checkpoints."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Tensor]) -> None:
+        self.config = config
+        problem = validate_weights(config, weights)
+        if problem:
+            raise ValueError(problem)
+        self.params: dict[str, Tensor] = {
+            name: weights[name].detach().to(torch.float32).clone().contiguous() for name in config.param_shapes()
+        }
+        self._act = _ACTIVATIONS[config.hidden_act]
+        hd = config.head_dim
+        self._inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+
+    def _p(self, name: str) -> Tensor | None:
+        return self.params.get(name)
+
+    @property
+    def lm_head(self) -> Tensor:
+        """The output projection (the embedding matrix when tied)."""
+        key = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        return self.params[key]
+
+    def load_(self, weights: dict[str, Tensor]) -> None:
+        """Copy already validated tensors into this model's own storage (no storage is shared with the input)."""
+        with torch.no_grad():
+            for name, dst in self.params.items():
+                dst.copy_(weights[name])
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+    def _layers(self, ids: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
+        """Run every decoder layer on ``N`` tokens; return final-normed hidden states ``[N, hidden]``."""
+        c = self.config
+        n = ids.shape[0]
+        x = F.embedding(ids, self.params["model.embed_tokens.weight"])
+        cos, sin = self._rope(positions)
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            h = rms_norm(x, self.params[p + "input_layernorm.weight"], c.rms_norm_eps)
+            q = F.linear(h, self.params[p + "self_attn.q_proj.weight"], self._p(p + "self_attn.q_proj.bias"))
+            k = F.linear(h, self.params[p + "self_attn.k_proj.weight"], self._p(p + "self_attn.k_proj.bias"))
+            v = F.linear(h, self.params[p + "self_attn.v_proj.weight"], self._p(p + "self_attn.v_proj.bias"))
+            q = q.view(n, c.num_heads, c.head_dim)
+            k = k.view(n, c.num_kv_heads, c.head_dim)
+            v = v.view(n, c.num_kv_heads, c.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            a = attend(i, q, k, v)
+            x = x + F.linear(a, self.params[p + "self_attn.o_proj.weight"], self._p(p + "self_attn.o_proj.bias"))
+            h = rms_norm(x, self.params[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            gate = self._act(F.linear(h, self.params[p + "mlp.gate_proj.weight"]))
+            up = F.linear(h, self.params[p + "mlp.up_proj.weight"])
+            x = x + F.linear(gate * up, self.params[p + "mlp.down_proj.weight"])
+        return rms_norm(x, self.params["model.norm.weight"], c.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward_full(self, ids: Tensor) -> Tensor:
+        """Logits ``[T, vocab]`` of one sequence ``[T]`` with plain causal attention and no cache."""
+        n = ids.shape[0]
+
+        def attend(_: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+            )
+            return out.transpose(0, 1).reshape(n, -1)
+
+        hidden = self._layers(ids, torch.arange(n), attend)
+        return F.linear(hidden, self.lm_head)
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, slot: int, ids: Tensor, start: int, all_logits: bool = False) -> Tensor:
+        """Write ``ids`` (positions ``start..start+T-1``) into ``slot`` of ``cache``, attending to its cached prefix.
+
+        Returns the logits of the last position ``[vocab]``, or of every position ``[T, vocab]`` if ``all_logits``.
+        """
+        n = ids.shape[0]
+        end = start + n
+        if n == 0 or start < 0 or end > cache.max_len:
+            raise ValueError(f"prefill of {n} tokens at position {start} does not fit max_len {cache.max_len}")
+        positions = torch.arange(start, end)
+        mask = torch.arange(end)[None, :] <= positions[:, None]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = cache.data[layer, 0, slot], cache.data[layer, 1, slot]
+            kc[:, start:end] = k.transpose(0, 1)
+            vc[:, start:end] = v.transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), kc[:, :end], vc[:, :end], attn_mask=mask, enable_gqa=True
+            )
+            return out.transpose(0, 1).reshape(n, -1)
+
+        hidden = self._layers(ids, positions, attend)
+        return F.linear(hidden if all_logits else hidden[-1], self.lm_head)
+
+    @torch.inference_mode()
+    def decode(self, cache: KVCache, slots: Tensor, tokens: Tensor, positions: Tensor) -> Tensor:
+        """One step for ``B`` slots: token ``tokens[b]`` at ``positions[b]`` in slot ``slots[b]``; logits ``[B, V]``.
+
+        Each slot attends only to its own keys ``0..positions[b]``; keys beyond are masked out.
+        """
+        b = tokens.shape[0]
+        length = int(positions.max()) + 1
+        if length > cache.max_len:
+            raise ValueError(f"decode position {length - 1} is beyond max_len {cache.max_len}")
+        mask = (torch.arange(length)[None, :] <= positions[:, None])[:, None, None, :]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            kc, vc = cache.data[layer, 0], cache.data[layer, 1]
+            kc[slots, :, positions] = k
+            vc[slots, :, positions] = v
+            keys, values = kc[slots, :, :length], vc[slots, :, :length]
+            out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
+            return out.reshape(b, -1)
+
+        hidden = self._layers(tokens, positions, attend)
+        return F.linear(hidden, self.lm_head)
+
+
+def validate_weights(config: ModelConfig, weights: dict[str, Any]) -> str | None:
+    """Check a full set of HF-named tensors against ``config``; return the first problem found, or None.
+
+    Every parameter must be present with its exact shape, floating point and finite; unknown names are
+    rejected (``lm_head.weight`` is tolerated, and ignored, for tied embeddings).
+    """
+    expected = config.param_shapes()
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unknown = sorted(set(weights) - set(expected) - optional)
+    if unknown:
+        return f"unknown weight names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        return f"missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)"
+    for name, shape in expected.items():
+        t = weights[name]
+        if not isinstance(t, Tensor):
+            return f"{name}: expected a torch.Tensor, got {type(t).__name__}"
+        if tuple(t.shape) != shape:
+            return f"{name}: shape {tuple(t.shape)} != expected {shape}"
+        if not t.is_floating_point():
+            return f"{name}: dtype {t.dtype} is not floating point"
+        if not bool(torch.isfinite(t).all()):
+            return f"{name}: contains NaN or inf"
+    for name in optional & set(weights):
+        if tuple(weights[name].shape) != expected["model.embed_tokens.weight"]:
+            return f"{name}: shape {tuple(weights[name].shape)} does not match the tied embedding"
+    return None
+
+
+def load_hf_dir(path: str | Path) -> DecoderModel:
+    """Load ``config.json`` and every ``*.safetensors`` file of a Hugging Face model directory (cast to fp32)."""
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {str(root)!r}")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {str(root)!r}")
+    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+    weights: dict[str, Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    return DecoderModel(config, weights)
+
+
+def param_count(config: ModelConfig) -> int:
+    """Number of parameters (tied embeddings counted once)."""
+    return sum(math.prod(s) for s in config.param_shapes().values())

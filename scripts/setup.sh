@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: Debian packages (when we may), a .venv with the project installed.
+#   scripts/setup.sh          runtime (the demo job)
+#   scripts/setup.sh --dev    runtime + test tools
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEV=0
+[[ "${1:-}" == "--dev" ]] && DEV=1
+
+APT_PACKAGES=(bubblewrap)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -eq 0 ]]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO="none"; fi
+  if [[ "$SUDO" == "none" ]]; then
+    echo "setup: missing Debian packages; run:  sudo apt-get update && sudo apt-get install -y ${missing[*]}" >&2
+    exit 1
+  fi
+  echo "setup: installing Debian packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+extras=""
+((DEV)) && extras="[dev]"
+# torch is pinned in the same command as everything that depends on it: an unpinned torch pulls CUDA wheels.
+.venv/bin/python -m pip install -q "torch==2.13.0" -e ".${extras}" 2>&1 | grep -v -E "^WARNING: Location|ignored: it is neither" || true
+.venv/bin/python -c "import torch, megatron.core, agentflow" || { echo "setup: install failed" >&2; exit 1; }
+echo "setup: ready (.venv)"

@@ -1,0 +1,95 @@
+"""The pure-torch Qwen2/Llama decoder against Hugging Face transformers (fp32, tiny random models)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentflow.engine.qwen2 import KVCache, ModelConfig, load_hf_dir, param_count
+
+transformers = pytest.importorskip("transformers")
+
+TINY_QWEN2 = dict(
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
+TINY_LLAMA = dict(TINY_QWEN2, tie_word_embeddings=False, attention_bias=True, rms_norm_eps=1e-5, rope_theta=5000.0)
+
+
+def make_model_dir(path: Path, arch: str = "qwen2", seed: int = 0, scale: float = 0.15, **overrides: object):
+    """Save a random HF model with non-trivial weights (biases, norms) to ``path``; return the HF model."""
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        cfg = transformers.Qwen2Config(**{**TINY_QWEN2, **overrides})
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+        model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * scale + (1.0 if "norm" in name else 0.0))
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def hf_pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return make_model_dir(path, request.param), path
+
+
+def test_missing_dir_names_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_hf_dir(tmp_path / "nowhere")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_hf_dir(tmp_path)
+
+
+def test_config_fields(hf_pair) -> None:
+    hf, path = hf_pair
+    model = load_hf_dir(path)
+    c = model.config
+    assert c.num_kv_heads == 2 and c.head_dim == 16
+    assert c.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert c.qkv_bias and c.o_bias == (c.model_type == "llama")
+    assert c.rope_theta == (10000.0 if c.model_type == "qwen2" else 5000.0)
+    n_hf = sum(p.numel() for p in hf.parameters())
+    assert param_count(c) == n_hf
+
+
+def test_unsupported_config_rejected() -> None:
+    base = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 4}
+    with pytest.raises(ValueError, match="model_type"):
+        ModelConfig.from_hf({**base, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="rope_type"):
+        ModelConfig.from_hf({**base, "intermediate_size": 8, "num_hidden_layers": 1, "rope_scaling": {"type": "yarn"}})
+
+
+def test_forward_paths_match_hf(hf_pair) -> None:
+    hf, path = hf_pair
+    model = load_hf_dir(path)
+    ids = torch.randint(0, 128, (24,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(model.forward_full(ids), ref, atol=2e-5, rtol=0)
+    cache = KVCache(model.config, max_slots=3, max_len=32)
+    # Prefill in two chunks (an uncached suffix after a cached prefix).
+    torch.testing.assert_close(model.prefill(cache, 1, ids[:10], 0, all_logits=True), ref[:10], atol=2e-5, rtol=0)
+    torch.testing.assert_close(model.prefill(cache, 1, ids[10:16], 10), ref[15], atol=2e-5, rtol=0)
+    # A second slot at another position; a batched decode step of both.
+    model.prefill(cache, 2, ids[:5], 0)
+    logits = model.decode(cache, torch.tensor([1, 2]), torch.stack([ids[16], ids[5]]), torch.tensor([16, 5]))
+    torch.testing.assert_close(logits[0], ref[16], atol=2e-5, rtol=0)
+    torch.testing.assert_close(logits[1], ref[5], atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="max_len"):
+        model.prefill(cache, 0, ids, 20)

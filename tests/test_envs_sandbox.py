@@ -1,0 +1,150 @@
+"""Sandboxes: real bubblewrap and process sandboxes, no mocks."""
+
+import asyncio
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+from conftest import require
+
+from envs.errors import SandboxError
+from envs.sandbox import BwrapSandbox, Limits, ProcessSandbox, bwrap_works, make_sandbox
+
+
+@pytest.fixture
+def sb():
+    require(bwrap_works(), "bubblewrap (bwrap)")
+    sandbox = make_sandbox("bwrap")
+    yield sandbox
+    sandbox.close()
+
+
+def _pgrep(pattern: str) -> str:
+    return subprocess.run(["pgrep", "-af", pattern], capture_output=True, text=True).stdout.strip()
+
+
+def test_stdout_stderr_exit_code_stdin(sb):
+    r = sb.exec("echo out; echo err >&2; exit 3")
+    assert (r.stdout, r.stderr, r.exit_code, r.timed_out) == ("out\n", "err\n", 3, False)
+    r = sb.exec(["python3", "-c", "import sys; print(sys.stdin.read().upper())"], stdin="hello")
+    assert r.ok and r.stdout == "HELLO\n"
+    assert sb.exec("pwd").stdout.strip() == sb.workdir
+
+
+def test_aexec_matches_exec(sb):
+    r = asyncio.run(sb.aexec(["sh", "-c", "cat; echo e >&2; exit 2"], stdin="abc"))
+    assert (r.stdout, r.stderr, r.exit_code) == ("abc", "e\n", 2)
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_timeout_kills_process_group(sb, use_async):
+    cmd = "sleep 101 & setsid sleep 102 & sleep 103"
+    start = time.monotonic()
+    r = asyncio.run(sb.aexec(cmd, timeout=0.5)) if use_async else sb.exec(cmd, timeout=0.5)
+    assert r.timed_out and r.exit_code != 0
+    assert time.monotonic() - start < 2.0
+    time.sleep(0.1)
+    assert _pgrep("sleep 10[123]") == ""
+
+
+def test_network_is_off(sb):
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    try:
+        code = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')"
+        r = sb.exec(["python3", "-c", code])
+        assert r.exit_code != 0 and "connected" not in r.stdout
+        assert "Error" in r.stderr
+    finally:
+        server.close()
+
+
+def test_host_filesystem_read_only_and_private_tmp(sb):
+    r = sb.exec("touch /usr/agentflow_probe || echo denied; echo hi > /tmp/x && cat /tmp/x")
+    assert "denied" in r.stdout and "hi" in r.stdout
+    assert not os.path.exists("/usr/agentflow_probe")
+    assert sb.exec("ls /proc | grep -c '^[0-9]'").stdout.strip().isdigit()
+    assert int(sb.exec("ls /proc | grep -c '^[0-9]'").stdout) < 10, "the sandbox must not see host processes"
+
+
+def test_memory_limit(sb):
+    r = sb.exec(["python3", "-c", "x = bytearray(400 * 1024 * 1024); print('ok')"], limits=Limits(memory_mb=200))
+    assert r.exit_code != 0 and "MemoryError" in r.stderr
+
+
+def test_file_size_limit(sb):
+    sb.exec("head -c 3000000 /dev/zero > big; echo done", limits=Limits(file_size_mb=1))
+    assert len(sb.get_file("big")) == 1024 * 1024
+
+
+def test_cpu_limit(sb):
+    start = time.monotonic()
+    r = sb.exec(["python3", "-c", "while True: pass"], timeout=10, limits=Limits(cpu_s=1))
+    assert r.exit_code != 0 and not r.timed_out
+    assert time.monotonic() - start < 5
+
+
+def test_fork_bomb_contained():
+    require(bwrap_works(), "bubblewrap (bwrap)")
+    with BwrapSandbox(limits=Limits(max_procs=32)) as sandbox:
+        if not sandbox.pids_limit_enforced:
+            pytest.skip("no pids cgroup on this machine (cgroupfs not writable): fork bombs are not contained")
+        r = sandbox.exec("bomb() { bomb | bomb & }; bomb; sleep 1; echo alive", timeout=5)
+        assert "fork" in r.stderr.lower() and not r.timed_out
+        assert sandbox.exec("echo after").stdout == "after\n", "the sandbox must stay usable after a fork bomb"
+
+
+def test_put_get_file_and_escapes(sb):
+    sb.put_file("sub/data.bin", b"\x00\x01abc")
+    assert sb.exec("cat sub/data.bin | wc -c").stdout.strip() == "5"
+    sb.exec("echo made > out.txt; ln -s /etc/passwd link")
+    assert sb.get_file("out.txt") == b"made\n"
+    assert sb.get_file(f"{sb.workdir}/out.txt") == b"made\n"
+    for bad in ("../escape", "/etc/passwd", "link", "sub/../../x"):
+        with pytest.raises(SandboxError):
+            sb.get_file(bad)
+    with pytest.raises(SandboxError):
+        sb.put_file("../escape", b"x")
+
+
+def test_nothing_left_after_close():
+    require(bwrap_works(), "bubblewrap (bwrap)")
+    sandbox = BwrapSandbox()
+    host_dir = sandbox.host_workdir
+    cgroup = sandbox._cgroup.path if sandbox._cgroup is not None else None
+    sandbox.exec("echo x > f")
+    sandbox.close()
+    sandbox.close()
+    assert not os.path.exists(host_dir)
+    assert cgroup is None or not cgroup.exists()
+    with pytest.raises(SandboxError, match="closed"):
+        sandbox.exec("true")
+
+
+def test_process_sandbox_basics_and_leftovers():
+    with ProcessSandbox() as sandbox:
+        r = sandbox.exec("pwd; echo $HOME")
+        assert r.stdout.split() == [sandbox.host_workdir, sandbox.host_workdir]
+        start = time.monotonic()
+        r = sandbox.exec("setsid sleep 104 & echo started")
+        assert r.stdout == "started\n" and time.monotonic() - start < 3
+        if sandbox.pids_limit_enforced:
+            time.sleep(0.1)
+            assert _pgrep("sleep 104") == ""
+        host_dir = sandbox.host_workdir
+    assert not os.path.exists(host_dir)
+
+
+def test_make_sandbox_errors(monkeypatch):
+    with pytest.raises(SandboxError, match="unknown sandbox kind 'docker2'; available kinds: bwrap, process"):
+        make_sandbox("docker2")
+    monkeypatch.setattr("envs.sandbox.bwrap_path", lambda: None)
+    with pytest.raises(SandboxError, match="apt-get install bubblewrap"):
+        make_sandbox("bwrap")
+
+
+def test_output_is_capped(sb):
+    r = sb.exec("head -c 5000000 /dev/zero | tr '\\0' a", limits=Limits(output_kb=4))
+    assert r.ok and len(r.stdout) == 4096

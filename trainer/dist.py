@@ -1,0 +1,64 @@
+"""torch.distributed + megatron-core parallel-state setup for the CPU (gloo) path."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.distributed as dist
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def init_process_group_cpu() -> None:
+    """Initialize the default gloo process group unless one exists.
+
+    Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) the environment decides; otherwise a
+    single-process world on a free port of 127.0.0.1.
+    """
+    if dist.is_initialized():
+        return
+    if all(v in os.environ for v in _TORCHRUN_VARS):
+        dist.init_process_group(backend="gloo", init_method="env://")
+        return
+    port = free_port()
+    dist.init_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def init_distributed_cpu(tp: int = 1) -> None:
+    """Initialize gloo (world size 1 unless torchrun says otherwise) and megatron's model-parallel state (TP=tp, PP=1).
+
+    Idempotent for the same ``tp``; megatron's parallel state is process-global, so a different ``tp`` after the
+    first call raises RuntimeError.
+    """
+    from megatron.core import parallel_state
+
+    init_process_group_cpu()
+    world = dist.get_world_size()
+    if world % tp:
+        raise RuntimeError(f"tensor-parallel size {tp} does not divide the world size {world}")
+    if parallel_state.model_parallel_is_initialized():
+        current = parallel_state.get_tensor_model_parallel_world_size()
+        if current != tp:
+            raise RuntimeError(f"model parallel state already initialized with tp={current}, asked for tp={tp}")
+        return
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    """This process's tensor-parallel rank and the TP world size (megatron's parallel state must be initialized)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def is_rank_zero() -> bool:
+    """True on global rank 0, or when torch.distributed is not initialized."""
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,387 @@
+"""Model provider: megatron-core ``GPTModel`` (local layer spec) for Llama/Qwen2, runnable on CPU, plus HF I/O.
+
+Three patch-free adaptations make megatron-core 0.16.1 run on CPU (see ../shared/NOTES.md):
+
+1. the RNG tracker is megatron's no-op inference tracker (dropout is 0 everywhere);
+2. the spec's ``core_attention`` is :class:`SDPACoreAttention` (stock ``DotProductAttention`` allocates a CUDA
+   scratch buffer; ``get_default_causal_mask`` defaults to CUDA);
+3. ``model.rotary_pos_emb`` is :class:`CPURotaryEmbedding` (the stock one moves ``inv_freq`` to CUDA).
+
+Weights cross the HF boundary only through ``transfer_mesh.layouts``. Under TP > 1 every rank loads the full HF
+state and keeps its shard; export all-gathers shards over the TP group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from trainer.dist import init_distributed_cpu, is_rank_zero, tp_rank_and_size
+from transfer_mesh.layouts import (
+    LayoutError,
+    ModelSpec,
+    hf_to_megatron,
+    megatron_shapes,
+    megatron_to_hf,
+    merge_from_tp,
+    split_for_tp,
+    tp_split_dim,
+)
+
+__all__ = [
+    "CPURotaryEmbedding",
+    "SDPACoreAttention",
+    "build_gpt_model",
+    "export_hf_state",
+    "init_distributed_cpu",
+    "load_hf_dir",
+    "load_into_model",
+    "make_transformer_config",
+    "save_hf_dir",
+    "token_logprobs",
+    "token_logprobs_and_entropy",
+]
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+# ------------------------------------------------------------------------------------------- CPU adaptations
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention on ``torch.nn.functional.scaled_dot_product_attention`` (CPU-safe, GQA, fp32-exact).
+
+    Inputs follow megatron's layout: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]``; output
+    ``[sq, b, np * hn]``. ``attention_mask`` is megatron's boolean mask (True = masked out), broadcastable to
+    ``[b, np, sq, sk]``, or None for plain causal attention.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: object | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPACoreAttention does not support context parallelism")
+        tp = pg_collection.tp.size() if pg_collection is not None else tp_rank_and_size()[1]
+        self.heads = config.num_attention_heads // tp
+        self.groups = (config.num_query_groups or config.num_attention_heads) // tp
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: object | None = None,
+    ) -> Tensor:
+        """Attend; causal unless the mask type says otherwise."""
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention supports neither packed sequences nor attention bias")
+        sq, b = query.shape[0], query.shape[1]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.heads != self.groups:
+            k = k.repeat_interleave(self.heads // self.groups, dim=1)
+            v = v.repeat_interleave(self.heads // self.groups, dim=1)
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        dropout = self.dropout_p if self.training else 0.0
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout, scale=self.softmax_scale)
+        else:
+            allowed = ~attention_mask.to(torch.bool)
+            if causal:
+                allowed = allowed & torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).tril()
+            # A fully masked row (a padding query) would give NaN: let every query see itself.
+            allowed = allowed | torch.eye(sq, k.shape[2], dtype=torch.bool, device=q.device)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.softmax_scale
+            )
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+class CPURotaryEmbedding(RotaryEmbedding):
+    """``RotaryEmbedding`` whose ``get_emb`` keeps ``inv_freq`` on the device it already lives on."""
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
+        """RoPE angles ``[s, 1, 1, dim]`` on ``inv_freq``'s device (the base class forces CUDA)."""
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
+        if not self.rotary_interleaved:
+            emb = torch.cat((freqs, freqs), dim=-1)
+        else:
+            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
+        return emb[:, None, None, :]
+
+
+# ------------------------------------------------------------------------------------------------- building
+
+
+def make_transformer_config(spec: ModelSpec) -> TransformerConfig:
+    """The megatron TransformerConfig of a Llama/Qwen2 spec: fp32, no dropout, no fusions, CPU initialization."""
+    return TransformerConfig(
+        num_layers=spec.num_hidden_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_key_value_heads,
+        kv_channels=spec.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.attention_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        attention_softmax_in_fp32=True,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tp_rank_and_size()[1],
+    )
+
+
+def cpu_layer_spec() -> ModuleSpec:
+    """megatron's local GPT layer spec (RMSNorm) with :class:`SDPACoreAttention` as core attention."""
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return layer_spec
+
+
+def build_gpt_model(spec: ModelSpec, seed: int = 0) -> GPTModel:
+    """A CPU-runnable fp32 ``GPTModel`` for ``spec`` (random init from ``seed``); call init_distributed_cpu first."""
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+    config = make_transformer_config(spec)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=cpu_layer_spec(),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+    )
+    model.rotary_pos_emb = CPURotaryEmbedding(
+        kv_channels=config.kv_channels,
+        rotary_percent=1.0,
+        rotary_interleaved=config.rotary_interleaved,
+        rotary_base=spec.rope_theta,
+        use_cpu_initialization=True,
+        cp_group=model.pg_collection.cp,
+    )
+    return model
+
+
+# ------------------------------------------------------------------------------------------- weights in / out
+
+
+def load_hf_dir(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
+    """Read ``config.json`` and every ``*.safetensors`` of an HF model directory (tensors as stored)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(f"HF model directory not found: {root}")
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in HF model directory {root}")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in HF model directory {root}")
+    spec = ModelSpec.from_hf_config(json.loads(config_path.read_text()))
+    state: dict[str, Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            if name in state:
+                raise LayoutError(f"tensor {name} appears in more than one file of {root}")
+            state[name] = tensor
+    return spec, state
+
+
+def _model_params(model: GPTModel) -> dict[str, Tensor]:
+    """The model's parameters by megatron name (tied output weights appear once, as the embedding)."""
+    return {name: p for name, p in model.named_parameters() if p is not None}
+
+
+def load_into_model(model: GPTModel, hf_state: dict[str, Tensor], spec: ModelSpec) -> None:
+    """Copy a full HF state into the model (this rank's TP shard), casting to the parameters' dtype."""
+    full = hf_to_megatron(hf_state, spec)
+    params = _model_params(model)
+    rank, size = tp_rank_and_size()
+    problems = [f"model has no parameter {n}" for n in full if n not in params]
+    problems += [f"no value for model parameter {n}" for n in params if n not in full]
+    if problems:
+        raise LayoutError("; ".join(problems))
+    with torch.no_grad():
+        for name, tensor in full.items():
+            shard = split_for_tp(name, tensor, size, rank)
+            if shard.shape != params[name].shape:
+                raise LayoutError(f"{name}: shard shape {tuple(shard.shape)} != parameter {tuple(params[name].shape)}")
+            params[name].copy_(shard)
+
+
+def _gather_tp(name: str, tensor: Tensor, size: int) -> Tensor:
+    """Full tensor from this rank's TP shard (all-gather over megatron's TP group); replicated -> itself."""
+    if size == 1 or tp_split_dim(name) is None:
+        return tensor
+    from megatron.core import parallel_state
+
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(shards, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return merge_from_tp(name, shards)
+
+
+def export_hf_state(model: GPTModel, spec: ModelSpec) -> dict[str, Tensor]:
+    """The model's full weights under HF names: fp32, detached clones that share no storage with the model.
+
+    Collective under TP > 1 (every TP rank must call it).
+    """
+    size = tp_rank_and_size()[1]
+    expected = megatron_shapes(spec)
+    full = {}
+    for name, param in _model_params(model).items():
+        if name in expected:
+            full[name] = _gather_tp(name, param.detach(), size)
+    hf = megatron_to_hf(full, spec)
+    return {name: t.detach().to(torch.float32).clone(memory_format=torch.contiguous_format) for name, t in hf.items()}
+
+
+def save_hf_dir(model: GPTModel, spec: ModelSpec, src_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write an HF directory: ``config.json`` (copied from ``src_dir``), ``model.safetensors`` and tokenizer files.
+
+    Collective under TP > 1; only global rank 0 writes. Returns ``out_dir``.
+    """
+    src, out = Path(src_dir), Path(out_dir)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in source HF directory {src}")
+    state = export_hf_state(model, spec)
+    if not is_rank_zero():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src / "config.json", out / "config.json")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ log-probs
+
+
+def _logits(model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """fp32 logits ``[b, s, v/tp]`` of a right-padded batch (positions 0..s-1, causal attention)."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    if attention_mask is not None:
+        mask = attention_mask.to(torch.bool)
+        if mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids {tuple(input_ids.shape)}")
+        if (mask[:, 1:] & ~mask[:, :-1]).any():
+            raise ValueError("attention_mask must be right-padded (ones, then zeros)")
+    b, s = input_ids.shape
+    position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+    logits = model(input_ids, position_ids, attention_mask=None)
+    return logits.float()
+
+
+def _mask_targets(values: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Zero the entries whose target token is padding."""
+    if attention_mask is None:
+        return values
+    return values * attention_mask[:, 1:].to(values.dtype)
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather vocab shards along the last dim over the TP group; backward keeps this rank's slice.
+
+    megatron's ``gather_from_tensor_model_parallel_region`` allocates its output on CUDA, hence this CPU-safe twin.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, shard: Tensor) -> Tensor:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+        ctx.rank, ctx.width = dist.get_rank(group), shard.shape[-1]
+        parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
+        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous()
+
+
+def token_logprobs(model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    """``log p(ids[:, t+1] | ids[:, :t+1])`` as fp32 ``[b, s-1]``; zero where the target is right padding.
+
+    Differentiable; vocab-parallel under TP (megatron's ``vocab_parallel_cross_entropy``).
+    """
+    logits = _logits(model, input_ids, attention_mask)[:, :-1]
+    targets = input_ids[:, 1:]
+    if tp_rank_and_size()[1] > 1:
+        logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), targets.contiguous())
+    else:
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return _mask_targets(logp, attention_mask)
+
+
+def token_logprobs_and_entropy(
+    model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-token log-probs (as :func:`token_logprobs`) and the entropy of each next-token distribution, ``[b, s-1]``.
+
+    Under TP the vocab shards are all-gathered (differentiably) before the softmax.
+    """
+    logits = _logits(model, input_ids, attention_mask)[:, :-1]
+    if tp_rank_and_size()[1] > 1:
+        logits = _GatherLastDim.apply(logits)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return _mask_targets(logp, attention_mask), _mask_targets(entropy, attention_mask)
