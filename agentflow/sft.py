@@ -18,7 +18,7 @@ from typing import Any
 import envs
 from agentflow.chat import IM_END, ChatTokenizer, ToolCall, parse_reply, render_tool_call
 from agentflow.config import JobConfig
-from envs.core import parse_action
+from envs.core import ToolAction, parse_action
 from trainer.types import Sample, TrainerSettings
 
 Expert = Callable[[Any, list[tuple[str, str]]], str]
@@ -35,9 +35,9 @@ def load_expert(path: str) -> Expert:
 def action_text(action: str) -> str:
     """What the model should write for a canonical action (the inverse of the agent's parsing)."""
     act = parse_action(action)
-    if hasattr(act, "tool"):
+    if isinstance(act, ToolAction):
         return render_tool_call(ToolCall(act.tool, dict(act.arguments)))
-    return str(act.answer)
+    return act.text
 
 
 def expert_sample(env: Any, expert: Expert, tok: ChatTokenizer, seed: int, split: str) -> tuple[Sample, bool]:

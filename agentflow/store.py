@@ -1,9 +1,12 @@
 """Sliding-window trajectory store: bounds how stale a trained trajectory may be, journals what it accepts.
 
-Window (v1): at most ``C = B * (1 + stale_steps)`` groups may be dispatched-or-finished-but-untrained at once, so
-rollouts run at most ``stale_steps`` weight versions ahead of the trainer. Batches are collected oldest-dispatch
-first among finished groups. A group whose staleness would exceed the bound when trained is not trained; it stays in
-the journal and is counted in ``dropped_stale``.
+Window (v1): at most ``C = B * (1 + stale_steps)`` groups may be dispatched-or-finished-but-untrained at once, and
+the n-th group (counting from 0 over the run) may start only once the engine holds weight version
+``v >= n // B - stale_steps``. Batches are collected strictly in dispatch order (FIFO), so the n-th group is trained
+at trainer version ``n // B`` and its staleness is at most ``stale_steps``. (A plain capacity cap is not enough: groups
+dispatched while the trainer steps still sample from the old version and are trained two versions later.) A group
+whose staleness would still exceed the bound (after a resume, say) is not trained; it stays in the journal and is
+counted in ``dropped_stale``.
 
 Staleness of a trajectory trained at trainer version ``t`` is ``t - (its oldest token version)`` (DESIGN.md).
 """
@@ -60,6 +63,7 @@ class TrajectoryStore:
         self._in_flight: dict[str, int] = {}  # group id -> dispatch order
         self._ready: dict[str, tuple[int, Group]] = {}
         self._order = 0
+        self._dispatched = 0  # groups dispatched this run (the n of the window rule)
         self._gate_open = True
         self._cond = asyncio.Condition()
         self.staleness_hist: Counter[int] = Counter()
@@ -74,9 +78,14 @@ class TrajectoryStore:
     async def acquire_slot(self, group_id: str) -> None:
         """Wait until the window (and the gate) admit one more group, then count it as dispatched."""
         async with self._cond:
-            await self._cond.wait_for(lambda: self._gate_open and self.occupancy() < self.capacity)
+            await self._cond.wait_for(self._admits_one_more)
             self._in_flight[group_id] = self._order
             self._order += 1
+            self._dispatched += 1
+
+    def _admits_one_more(self) -> bool:
+        ahead = self._dispatched < (self.trainer_version + self.stale_steps + 1) * self.batch_groups
+        return self._gate_open and ahead and self.occupancy() < self.capacity
 
     async def set_gate(self, open_: bool) -> None:
         """Close to stop new dispatch (sync mode closes it while training and syncing weights)."""
@@ -120,11 +129,10 @@ class TrajectoryStore:
         async with self._cond:
             while True:
                 self._drop_too_stale()
-                if len(self._ready) >= self.batch_groups:
+                batch = self._oldest_if_finished()
+                if batch is not None:
                     break
                 await self._cond.wait()
-            picked = sorted(self._ready.values(), key=lambda x: x[0])[: self.batch_groups]
-            batch = [g for _, g in picked]
             for g in batch:
                 del self._ready[g.id]
                 for t in g.trajectories:
@@ -134,6 +142,18 @@ class TrajectoryStore:
                 self._gate_open = False
             self._cond.notify_all()
             return batch
+
+    def _oldest_if_finished(self) -> list[Group] | None:
+        """The ``B`` oldest-dispatched groups when all of them have finished (FIFO collection), else None.
+
+        Strict FIFO is what makes the window a staleness bound: a group admitted while fewer than ``C`` groups were
+        ahead of it is trained within ``1 + stale_steps`` batches, so nothing has to be dropped.
+        """
+        orders = sorted([(o, gid) for gid, o in self._in_flight.items()] + [(o, g.id) for o, g in self._ready.values()])
+        head = orders[: self.batch_groups]
+        if len(head) < self.batch_groups or any(gid not in self._ready for _, gid in head):
+            return None
+        return [self._ready[gid][1] for _, gid in head]
 
     def _drop_too_stale(self) -> None:
         for gid, (_, g) in list(self._ready.items()):

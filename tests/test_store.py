@@ -30,6 +30,9 @@ def test_capacity_is_b_times_one_plus_stale_steps():
         await store.accept(_group("g1", 0))
         batch = await store.get_batch()
         assert [g.id for g in batch] == ["g0", "g1"]
+        await asyncio.sleep(0.01)
+        assert not blocked.done()  # room in the window, but the engine still holds version 0: g4 would be 2 stale
+        await store.set_trainer_version(1)
         await asyncio.wait_for(blocked, 1)
 
     asyncio.run(go())
@@ -61,8 +64,9 @@ def test_closed_gate_blocks_dispatch_until_opened():
         await store.accept(_group("a", 0))
         await store.get_batch(close_gate=True)
         waiting = asyncio.create_task(store.acquire_slot("b"))
+        await store.set_trainer_version(1)
         await asyncio.sleep(0.01)
-        assert not waiting.done()
+        assert not waiting.done()  # the window admits it, the gate does not
         await store.set_gate(True)
         await asyncio.wait_for(waiting, 1)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ class TrainerError(RuntimeError):
 
 def _serve(conn: Any, model_dir: str, settings: TrainerSettings) -> None:
     os.environ["OMP_NUM_THREADS"] = str(settings.threads)
+    # megatron-core warns at import about optional CUDA-only extras (Apex, TransformerEngine) we do not use on CPU
+    warnings.filterwarnings("ignore", module=r"megatron(\..*)?$")
     try:
         from trainer.megatron_trainer import MegatronTrainer
 

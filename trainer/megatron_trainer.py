@@ -97,7 +97,7 @@ class MegatronTrainer:
         if loss == "sft":
             value = sft_loss(logp, mb.target_mask, denom)
             value.backward()
-            return {"loss": float(value) * denom}
+            return {"loss": float(value.detach()) * denom}
         value, metrics = grpo_loss(
             logp,
             logp.detach(),
@@ -110,7 +110,7 @@ class MegatronTrainer:
         )
         value.backward()
         out = {k: float(v) for k, v in metrics.items()}
-        out["loss"] = float(value) * denom
+        out["loss"] = float(value.detach()) * denom
         out["nll"] = float(-(logp.detach() * mb.target_mask).sum())
         return out
 

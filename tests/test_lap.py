@@ -1,0 +1,213 @@
+"""The whole lap on a tiny model: exact tokens, weight sync parity, staleness bound, error observations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+import envs
+from agentflow.agent import EpisodeSpec, run_episode
+from agentflow.chat import ChatTokenizer
+from agentflow.config import load_config
+from agentflow.engine.embedded import EmbeddedEngine
+from agentflow.model_init import ModelInitConfig, init_model
+from agentflow.store import Journal
+from agentflow.types import GenerateResult, SamplingParams
+
+TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return init_model(tmp_path_factory.mktemp("tiny"), TINY)
+
+
+class Recording:
+    """Passes every call through to the real engine and keeps what went in and came out."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.calls: list[tuple[list[int], GenerateResult]] = []
+
+    @property
+    def weight_version(self):
+        return self.engine.weight_version
+
+    async def generate(self, input_ids, sampling, rid=None):
+        res = await self.engine.generate(input_ids, sampling, rid)
+        self.calls.append((list(input_ids), res))
+        return res
+
+
+def test_trajectory_tokens_are_exactly_the_engines(tiny_model):
+    tok = ChatTokenizer(tiny_model)
+    env = envs.make("agentflow/Calc-v0")
+    with EmbeddedEngine(tiny_model, max_slots=4, max_len=512) as engine:
+        rec = Recording(engine)
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=1)
+        traj = asyncio.run(run_episode(rec, tok, env, EpisodeSpec("t0", "g0", 3), sampling, 512))
+    env.close()
+    seg = traj.segments[0]
+    assert rec.calls and len(traj.turns) == len(rec.calls)
+    for turn, (inputs, res) in zip(traj.turns, rec.calls, strict=True):
+        start, end = turn.span
+        assert seg.token_ids[:start] == inputs  # the prompt of each call is the segment so far, never re-encoded
+        assert seg.token_ids[start:end] == res.output_ids
+        assert seg.logprobs[start:end] == res.logprobs
+        assert seg.versions[start:end] == res.versions
+        assert all(seg.loss_mask[start:end]) and not any(seg.loss_mask[end : end + 1][:0])
+    assert sum(seg.loss_mask) == sum(len(r.output_ids) for _, r in rec.calls)
+    seg.check()
+
+
+class Replay:
+    """Stands in for the model's *choice* of text (a random tiny model cannot be made to emit a malformed call)."""
+
+    def __init__(self, tok: ChatTokenizer, texts: list[str]):
+        self.tok, self.texts, self.weight_version = tok, list(texts), 0
+
+    async def generate(self, input_ids, sampling, rid=None):
+        ids = self.tok.encode(self.texts.pop(0) + "<|im_end|>")
+        return GenerateResult(rid or "", ids, [-0.5] * len(ids), [0] * len(ids), "stop", len(input_ids))
+
+
+def test_malformed_tool_call_becomes_error_observation_and_episode_continues(tiny_model):
+    tok = ChatTokenizer(tiny_model)
+    env = envs.make("agentflow/Calc-v0")
+    env.reset(seed=5)
+    task = env.unwrapped.task
+    texts = [
+        '<tool_call>\n{"name": "calc", "arguments": {"expression": }\n</tool_call>',
+        '<tool_call>\n{"name": "calc", "arguments": {"expression": "' + task.expression + '"}}\n</tool_call>',
+        str(task.answer),
+    ]
+    traj = asyncio.run(run_episode(Replay(tok, texts), tok, env, EpisodeSpec("t", "g", 5), SamplingParams(), 512))
+    env.close()
+    assert [t.error is not None for t in traj.turns] == [True, False, False]
+    assert traj.turns[0].observation.startswith("Error: malformed tool call: invalid JSON")
+    assert traj.turns[1].observation.strip() == str(task.answer)
+    assert traj.status == "ok" and traj.reward == 1.0 and traj.info["success"] is True
+    text = tok.decode(traj.segments[0].token_ids)
+    assert "<tool_response>\nError: malformed tool call" in text
+
+
+def test_env_failure_marks_error_not_zero_reward(tiny_model):
+    tok = ChatTokenizer(tiny_model)
+    env = envs.make("agentflow/Calc-v0")
+
+    async def broken(*a, **k):
+        raise RuntimeError("sandbox died")
+
+    env.astep = broken  # the env raising mid-episode
+    traj = asyncio.run(run_episode(Replay(tok, ["1"]), tok, env, EpisodeSpec("t", "g", 1), SamplingParams(), 512))
+    env.close()
+    assert traj.status == "error" and traj.reward is None and "sandbox died" in traj.error
+
+
+def test_engine_matches_trainer_after_weight_sync(tiny_model):
+    from agentflow.controller import to_samples
+    from trainer.megatron_trainer import MegatronTrainer
+    from trainer.types import TrainerSettings
+    from transfer_mesh.buckets import unpack_version
+
+    trainer = MegatronTrainer(tiny_model, TrainerSettings(lr=1e-2, threads=1))
+    tok = ChatTokenizer(tiny_model)
+    env = envs.make("agentflow/Calc-v0")
+    with EmbeddedEngine(tiny_model, max_slots=4, max_len=512) as engine:
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=2)
+        trajs = [
+            asyncio.run(run_episode(engine, tok, env, EpisodeSpec(f"t{i}", "g", i), sampling, 512)) for i in range(2)
+        ]
+        trajs[0].reward, trajs[1].reward = 1.0, 0.0
+        from agentflow.types import Group
+
+        samples = to_samples([Group("g", 0, trajs)])
+        # behaviour log-probs (engine, version 0) equal the trainer's before any update
+        seq = samples[0].token_ids
+        before = trainer.sequence_logprobs(seq)
+        mask = samples[0].loss_mask
+        diffs = [abs(b - a) for a, b, m in zip(samples[0].behaviour_logprobs[1:], before, mask[1:]) if m]
+        assert max(diffs) < 1e-4
+        trainer.train_step(samples, "grpo")
+        version, tensors = unpack_version(trainer.export_buckets(bucket_bytes=1 << 16))
+        assert version == 1
+        engine.update_weights(version, tensors)
+        assert engine.weight_version == 1
+        after = trainer.sequence_logprobs(seq)
+        scored = engine.score(seq, 1).logprobs
+        assert max(abs(a - b) for a, b in zip(after, scored, strict=True)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(after, before, strict=True)) > 1e-3  # the step changed the policy
+        engine_params = engine.model.params
+        trainer_ptrs = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+        assert not any(t.untyped_storage().data_ptr() in trainer_ptrs for t in engine_params.values())
+    env.close()
+
+
+def _job_cfg(tiny_model, tmp_path, mode: str, steps: int = 4):
+    return load_config(
+        None,
+        [
+            f"model.path={tiny_model}",
+            "sft.enabled=false",
+            f"run.mode={mode}",
+            f"run.steps={steps}",
+            f"run.dir={tmp_path / mode}",
+            "run.progress=false",
+            "store.batch_groups=2",
+            "store.stale_steps=1",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=12",
+            "eval.episodes=4",
+            "engine.max_len=384",
+            "trainer.micro_batch_tokens=2048",
+        ],
+    )
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_job_staleness_bound_and_outputs(tiny_model, tmp_path, mode):
+    from agentflow.job import run_job
+
+    cfg = _job_cfg(tiny_model, tmp_path, mode)
+    summary = run_job(cfg, log=lambda *_: None)
+    run_dir = tmp_path / mode
+    assert summary["rl_steps"] == 4 and summary["mode"] == mode
+    hist = {int(k): v for k, v in summary["staleness_histogram"].items()}
+    if mode == "async":
+        assert summary["mean_staleness"] > 0
+        assert max(hist) <= cfg.store.stale_steps and summary["dropped_stale_groups"] == 0
+    else:
+        assert set(hist) == {0} and summary["stale_steps"] == 0
+    for key in ("scripted_policy_success", "success_before_rl", "success_after_rl", "eval_episodes", "wall_s",
+                "max_staleness_seen", "overlap_fraction"):
+        assert key in summary
+    assert json.loads((run_dir / "summary.json").read_text())["rl_steps"] == 4
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and "train/is_approx_k3_kl" in json.loads(lines[0])
+    assert list((run_dir / "tensorboard").iterdir())
+    assert (run_dir / "config.yaml").is_file() and list((run_dir / "checkpoints").iterdir())
+    journal = Journal.read(run_dir / "journal.jsonl")
+    assert len(journal) >= summary["trajectories_trained"] == 4 * 2 * 2
+
+
+def test_checkpoint_resume_is_exact(tiny_model, tmp_path):
+    from trainer.megatron_trainer import MegatronTrainer
+    from trainer.types import Sample, TrainerSettings
+
+    s = TrainerSettings(lr=1e-2, threads=1)
+    samples = [Sample([1, 5, 9, 12, 7], [0, 0, 1, 1, 1], [0.0, 0.0, -2.0, -2.0, -2.0], r, "g", str(r)) for r in (0, 1)]
+    samples[1] = replace(samples[1], token_ids=[1, 5, 9, 13, 8])
+    a = MegatronTrainer(tiny_model, s)
+    a.train_step(samples)
+    a.save_checkpoint(tmp_path / "ck.pt", {"trained_ids": ["x"]})
+    a.train_step(samples)
+    b = MegatronTrainer(tiny_model, s)
+    assert b.load_checkpoint(tmp_path / "ck.pt") == {"trained_ids": ["x"]}
+    b.train_step(samples)
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+    assert a.version == b.version == 2
