@@ -103,6 +103,8 @@ class SFTConfig(Section):
     """SFT learning rate."""
     batch_size: int = Field(16, ge=1)
     """Sequences per SFT step."""
+    threads: int = Field(2, ge=1)
+    """Torch threads of the SFT trainer (nothing else runs during warm-up, so it may use every core)."""
 
 
 class EvalConfig(Section):

@@ -79,7 +79,8 @@ def cache_key(cfg: JobConfig, base_dir: Path) -> str:
     for name in sorted(p.name for p in base_dir.iterdir() if p.is_file()):
         h.update(name.encode())
         h.update(hashlib.sha256((base_dir / name).read_bytes()).digest())
-    payload = {"sft": cfg.sft.model_dump(), "env": cfg.env.model_dump(), "seed": cfg.trainer.seed, "v": 1}
+    sft = cfg.sft.model_dump(exclude={"threads"})  # thread count does not change the result's meaning
+    payload = {"sft": sft, "env": cfg.env.model_dump(), "seed": cfg.trainer.seed, "v": 1}
     h.update(json.dumps(payload, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
@@ -95,7 +96,7 @@ def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str
     tok = ChatTokenizer(base_dir)
     train, expert_success = expert_samples(cfg, tok, range(cfg.sft.episodes), "train")
     val, _ = expert_samples(cfg, tok, range(10_000_000, 10_000_000 + cfg.sft.val_episodes), "train")
-    settings = TrainerSettings(lr=cfg.sft.lr, seed=cfg.trainer.seed, threads=cfg.run.threads, grad_clip=1.0)
+    settings = TrainerSettings(lr=cfg.sft.lr, seed=cfg.trainer.seed, threads=cfg.sft.threads, grad_clip=1.0)
     group = LocalTrainerGroup(base_dir, settings)
     try:
         report = _epochs(group, train, val, cfg, out, log)

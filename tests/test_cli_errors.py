@@ -10,7 +10,7 @@ from agentflow.cli import main
     [
         (["train", "env.id=agentflow/Calc-v9"], "exists in version(s): v0"),
         (["train", "env.id=agentflow/Calk-v0"], "Did you mean 'agentflow/Calc-v0'?"),
-        (["train", "store.batch_grups=2"], "unknown config key 'store.batch_grups'. Did you mean 'store.batch_groups'?"),
+        (["train", "store.batch_grups=2"], "'store.batch_grups'. Did you mean 'store.batch_groups'?"),
         (["train", "run.steps=many"], "config key 'run.steps'"),
         (["train", "configs/missing.yaml"], "config file not found: configs/missing.yaml"),
         (["eval", "--model", "/nonexistent/model"], "model directory not found: /nonexistent/model"),

@@ -130,7 +130,7 @@ def test_engine_matches_trainer_after_weight_sync(tiny_model):
         seq = samples[0].token_ids
         before = trainer.sequence_logprobs(seq)
         mask = samples[0].loss_mask
-        diffs = [abs(b - a) for a, b, m in zip(samples[0].behaviour_logprobs[1:], before, mask[1:]) if m]
+        diffs = [abs(b - a) for a, b, m in zip(samples[0].behaviour_logprobs[1:], before, mask[1:], strict=True) if m]
         assert max(diffs) < 1e-4
         trainer.train_step(samples, "grpo")
         version, tensors = unpack_version(trainer.export_buckets(bucket_bytes=1 << 16))
@@ -182,8 +182,15 @@ def test_job_staleness_bound_and_outputs(tiny_model, tmp_path, mode):
         assert max(hist) <= cfg.store.stale_steps and summary["dropped_stale_groups"] == 0
     else:
         assert set(hist) == {0} and summary["stale_steps"] == 0
-    for key in ("scripted_policy_success", "success_before_rl", "success_after_rl", "eval_episodes", "wall_s",
-                "max_staleness_seen", "overlap_fraction"):
+    for key in (
+        "scripted_policy_success",
+        "success_before_rl",
+        "success_after_rl",
+        "eval_episodes",
+        "wall_s",
+        "max_staleness_seen",
+        "overlap_fraction",
+    ):
         assert key in summary
     assert json.loads((run_dir / "summary.json").read_text())["rl_steps"] == 4
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -212,8 +212,17 @@ def test_tensor_parallel_2_matches_hf(hf_dir: Path, tmp_path: Path) -> None:
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
     cmd += [str(tmp_path / "worker.py"), str(hf_dir), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # own session: on a timeout the whole group (torchrun and its worker ranks) is killed, nothing is left behind
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail("TP=2 workers did not finish within 120 s")
+    assert proc.returncode == 0, stderr[-4000:]
     out = torch.load(tmp_path / "out.pt")
     ref_logp, ref_entropy = _hf_logprobs(_hf_model(hf_dir), ids)
     assert (out["logp"] - ref_logp).abs().max().item() < TOL
