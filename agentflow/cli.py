@@ -17,6 +17,7 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--hidden-size", type=int, default=256)
     init.add_argument("--layers", type=int, default=4)
+    init.add_argument("--env", action="append", default=[], help="env id whose text joins the tokenizer corpus")
 
     train = sub.add_parser("train", help="run an RL job (warm-up SFT, then RL) from a YAML config")
     train.add_argument("config", nargs="?", help="YAML config (defaults if omitted)")
@@ -46,7 +47,7 @@ def _run(args: argparse.Namespace) -> int:
         from agentflow.model_init import ModelInitConfig, count_parameters, init_model
 
         cfg = ModelInitConfig(seed=args.seed, hidden_size=args.hidden_size, num_hidden_layers=args.layers)
-        out = init_model(args.out_dir, cfg)
+        out = init_model(args.out_dir, cfg, env_ids=args.env)
         print(f"wrote {out} ({count_parameters(cfg) / 1e6:.2f}M parameters)")
         return 0
     if args.cmd == "envs":

@@ -76,6 +76,9 @@ class TrainerConfig(Section):
     """Max global gradient norm."""
     loss: Literal["grpo", "sft"] = "grpo"
     """Policy loss."""
+    drop_uniform_groups: bool = True
+    """DAPO's dynamic sampling: leave out groups whose rewards are all equal (their GRPO advantage is zero), so they
+    cost no trainer time and do not dilute the token-level average. A batch with none left is a no-op step."""
     clip_eps: float = Field(0.2, gt=0)
     """PPO-style ratio clip."""
     tis_cap: float = Field(2.0, gt=0)

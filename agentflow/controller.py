@@ -50,7 +50,7 @@ async def rl_loop(
     try:
         for step in log.progress(range(cfg.run.steps), desc=f"RL ({cfg.run.mode})"):
             batch = await _next_batch(store, feeder, close_gate=sync)  # B finished groups, within the window
-            samples = to_samples(batch)
+            samples = to_samples(batch, drop_uniform=cfg.trainer.drop_uniform_groups)
             trainer_busy.enter()
             metrics = await asyncio.to_thread(trainer.train_step, samples, cfg.trainer.loss)  # rollouts go on
             version, sync_s = await sync_weights(trainer, engine)  # TransferMesh: trainer -> engine
@@ -94,16 +94,20 @@ async def sync_weights(trainer: Any, engine: InferenceEngine) -> tuple[int, floa
     return version, time.perf_counter() - t0
 
 
-def to_samples(groups: list[Group]) -> list[Sample]:
-    """Trainable rows: one per segment of every finished (ok or truncated) trajectory; errors are not scored."""
+def to_samples(groups: list[Group], drop_uniform: bool = False) -> list[Sample]:
+    """Trainable rows: one per segment of every finished (ok or truncated) trajectory; errors are not scored.
+
+    ``drop_uniform`` leaves out groups whose scored trajectories all have the same reward (zero advantage).
+    """
     out = []
     for g in groups:
-        for t in g.trajectories:
-            if t.status not in ("ok", "truncated") or t.reward is None:
-                continue
+        scored = [t for t in g.trajectories if t.status in ("ok", "truncated") and t.reward is not None]
+        if drop_uniform and len({t.reward for t in scored}) <= 1:
+            continue
+        for t in scored:
             for i, seg in enumerate(t.segments):
                 out.append(Sample(seg.token_ids, seg.loss_mask, seg.logprobs, t.reward, g.id, f"{t.id}/{i}"))
-    if not out:
+    if not out and not drop_uniform:
         raise RuntimeError(f"no trainable trajectories in a batch of {len(groups)} groups (all errored or aborted)")
     return out
 
@@ -119,4 +123,12 @@ def batch_metrics(groups: list[Group]) -> dict[str, float]:
         "model_tokens_mean": sum(t.num_model_tokens() for t in trajs) / n,
         "turns_mean": sum(len(t.turns) for t in trajs) / n,
         "partial_ratio": sum(t.min_version() != t.max_version() for t in trajs) / n,
+        **{f"success_{k}": v for k, v in success_by_type(trajs).items()},
     }
+
+
+def success_by_type(trajs: list) -> dict[str, float]:
+    by: dict[str, list[bool]] = {}
+    for t in trajs:
+        by.setdefault(str(t.info.get("task_type")), []).append(bool(t.info.get("success")))
+    return {k: sum(v) / len(v) for k, v in sorted(by.items())}

@@ -33,7 +33,7 @@ def ensure_model(cfg: JobConfig) -> Path:
         raise JobError(f"model directory not found: {path} (create one with `agentflow model init {path}`)")
     from agentflow.model_init import ModelInitConfig, init_model
 
-    return init_model(path, ModelInitConfig(seed=cfg.model.init_seed))
+    return init_model(path, ModelInitConfig(seed=cfg.model.init_seed), env_ids=[cfg.env.id])
 
 
 def check_env_id(cfg: JobConfig) -> None:
@@ -94,6 +94,10 @@ def run_job(cfg: JobConfig, log=print) -> dict[str, Any]:
     summary["wall_s"] = time.monotonic() - t_start
     summary["sft"] = sft_report and {k: sft_report[k] for k in ("best_val_loss", "epochs", "curve")}
     dump_json(run_dir / "summary.json", summary)
+    if summary["rl_steps"]:
+        from agentflow.report import plot_success
+
+        summary["plot"] = str(plot_success(run_dir))
     return summary
 
 

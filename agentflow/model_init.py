@@ -43,6 +43,27 @@ _WORDS = (
 ).split()
 
 
+def env_corpus(env_ids: list[str], episodes: int = 200) -> list[str]:
+    """Text of registered environments (system prompt with tools, first observations) for the tokenizer.
+
+    Merges learned from it make the job's own prompts short, which is what makes training on 2 cores affordable.
+    """
+    import envs
+
+    texts = []
+    for env_id in env_ids:
+        env = envs.make(env_id)
+        tools = [t.to_openai() for t in env.tools]
+        try:
+            for seed in range(episodes):
+                obs, _ = env.reset(seed=seed)
+                msgs = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": obs}]
+                texts.append(render_conversation(msgs, tools, add_generation_prompt=True))
+        finally:
+            env.close()
+    return texts
+
+
 def _corpus(seed: int, n: int = 3000) -> list[str]:
     """Synthetic training text for the tokenizer: markup, tool JSON, arithmetic, words."""
     rng = random.Random(seed)
@@ -76,13 +97,13 @@ def _as_openai(call: ToolCall) -> dict:
     return {"type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def train_tokenizer(vocab_size: int, seed: int):
+def train_tokenizer(vocab_size: int, seed: int, extra_texts: list[str] | None = None):
     """Train a byte-level BPE tokenizer with our special tokens and one token per digit."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -90,8 +111,9 @@ def train_tokenizer(vocab_size: int, seed: int):
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
+        max_token_length=24,  # long enough to swallow JSON boilerplate, short enough to stay reusable
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(_corpus(seed) + list(extra_texts or []), trainer=trainer)
     return tok
 
 
@@ -141,12 +163,15 @@ def hf_config(cfg: ModelInitConfig, eos_id: int, bos_id: int) -> dict:
     }
 
 
-def init_model(out_dir: str | Path, cfg: ModelInitConfig | None = None) -> Path:
-    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into ``out_dir``."""
+def init_model(out_dir: str | Path, cfg: ModelInitConfig | None = None, env_ids: list[str] | None = None) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into ``out_dir``.
+
+    ``env_ids``: registered environments whose text joins the tokenizer's training corpus.
+    """
     cfg = cfg or ModelInitConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(cfg.vocab_size, cfg.seed)
+    tok = train_tokenizer(cfg.vocab_size, cfg.seed, env_corpus(env_ids or []))
     if tok.get_vocab_size() > cfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens > vocab_size {cfg.vocab_size}")
     tok.save(str(out / "tokenizer.json"))

@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,13 +65,23 @@ def expert_sample(env: Any, expert: Expert, tok: ChatTokenizer, seed: int, split
     return Sample(ids, mask, [0.0] * len(ids), reward=float(success), sample_id=f"{split}:{seed}"), success
 
 
-def expert_samples(cfg: JobConfig, tok: ChatTokenizer, seeds: range, split: str) -> tuple[list[Sample], float]:
-    env = envs.make(cfg.env.id, **cfg.env.kwargs)
+def expert_samples(
+    cfg: JobConfig, tok: ChatTokenizer, seeds: range, split: str, workers: int = 4
+) -> tuple[list[Sample], float]:
+    """Expert episodes in parallel threads (each with its own env): the time goes to sandboxed tool calls."""
     expert = load_expert(cfg.sft.expert)
-    try:
-        pairs = [expert_sample(env, expert, tok, s, split) for s in seeds]
-    finally:
-        env.close()
+    chunks = [list(seeds)[i::workers] for i in range(workers)]
+
+    def play(chunk: list[int]) -> list[tuple[Sample, bool]]:
+        env = envs.make(cfg.env.id, **cfg.env.kwargs)
+        try:
+            return [expert_sample(env, expert, tok, s, split) for s in chunk]
+        finally:
+            env.close()
+
+    with ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(play, chunks))
+    pairs = sorted((p for r in results for p in r), key=lambda p: p[0].sample_id)
     return [p[0] for p in pairs], sum(p[1] for p in pairs) / max(len(pairs), 1)
 
 
@@ -80,7 +91,7 @@ def cache_key(cfg: JobConfig, base_dir: Path) -> str:
         h.update(name.encode())
         h.update(hashlib.sha256((base_dir / name).read_bytes()).digest())
     sft = cfg.sft.model_dump(exclude={"threads"})  # thread count does not change the result's meaning
-    payload = {"sft": sft, "env": cfg.env.model_dump(), "seed": cfg.trainer.seed, "v": 1}
+    payload = {"sft": sft, "env": cfg.env.model_dump(), "seed": cfg.trainer.seed, "v": 2}
     h.update(json.dumps(payload, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
@@ -96,7 +107,11 @@ def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str
     tok = ChatTokenizer(base_dir)
     train, expert_success = expert_samples(cfg, tok, range(cfg.sft.episodes), "train")
     val, _ = expert_samples(cfg, tok, range(10_000_000, 10_000_000 + cfg.sft.val_episodes), "train")
-    settings = TrainerSettings(lr=cfg.sft.lr, seed=cfg.trainer.seed, threads=cfg.sft.threads, grad_clip=1.0)
+    steps = cfg.sft.max_epochs * -(-len(train) // cfg.sft.batch_size)
+    warm = min(50, steps // 10)
+    settings = TrainerSettings(
+        lr=cfg.sft.lr, seed=cfg.trainer.seed, threads=cfg.sft.threads, warmup_steps=warm, decay_steps=steps - warm
+    )
     group = LocalTrainerGroup(base_dir, settings)
     try:
         report = _epochs(group, train, val, cfg, out, log)

@@ -83,3 +83,35 @@ def test_micro_batches_respect_budget_and_align_targets():
 def test_sample_rejects_misaligned_arrays():
     with pytest.raises(ValueError, match="3 ids"):
         Sample([1, 2, 3], [0, 1], [0.0, 0.0, 0.0])
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    from trainer.megatron_trainer import lr_factor
+    from trainer.types import TrainerSettings
+
+    s = TrainerSettings(warmup_steps=4, decay_steps=10, min_lr_ratio=0.1)
+    assert [lr_factor(i, s) for i in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert lr_factor(4, s) == pytest.approx(1.0)
+    assert lr_factor(9, s) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(14, s) == pytest.approx(0.1) and lr_factor(100, s) == pytest.approx(0.1)
+    assert lr_factor(50, TrainerSettings()) == 1.0
+
+
+def test_uniform_groups_are_dropped_and_errors_never_scored():
+    from agentflow.controller import to_samples
+    from agentflow.types import Group, Segment, Trajectory
+
+    def traj(gid, i, reward, status="ok"):
+        seg = Segment()
+        seg.append_context([1, 2])
+        seg.append_generated([3], [-0.5], [0])
+        return Trajectory(f"{gid}-{i}", "t", gid, "e", segments=[seg], reward=reward, status=status)
+
+    mixed = Group("mixed", 0, [traj("mixed", 0, 1.0), traj("mixed", 1, 0.0), traj("mixed", 2, None, "error")])
+    uniform = Group("uniform", 1, [traj("uniform", 0, 1.0), traj("uniform", 1, 1.0)])
+    kept = to_samples([mixed, uniform], drop_uniform=True)
+    assert [s.sample_id for s in kept] == ["mixed-0/0", "mixed-1/0"]
+    assert len(to_samples([mixed, uniform])) == 4
+    assert to_samples([uniform], drop_uniform=True) == []
+    with pytest.raises(RuntimeError, match="no trainable trajectories"):
+        to_samples([Group("bad", 2, [traj("bad", 0, None, "error")])])

@@ -7,8 +7,10 @@ accumulation across micro-batches) and bumps the weight version by one.
 
 from __future__ import annotations
 
+import math
 import random
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,17 @@ from trainer.types import Sample, TrainerSettings
 from transfer_mesh.buckets import Bucket, pack_version
 
 
+def lr_factor(step: int, settings: TrainerSettings) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` over ``decay_steps`` (constant when 0)."""
+    warm = settings.warmup_steps
+    if warm and step < warm:
+        return (step + 1) / warm
+    if not settings.decay_steps:
+        return 1.0
+    progress = min(1.0, (step - warm) / settings.decay_steps)
+    return settings.min_lr_ratio + (1 - settings.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class MegatronTrainer:
     """One trainer rank (world size 1 on CPU in v1)."""
 
@@ -45,10 +58,7 @@ class MegatronTrainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.99)
         )
-        warm = max(settings.warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warm) if warm else 1.0
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, settings=settings))
         self.version = 0
         self.step = 0
 
@@ -59,11 +69,18 @@ class MegatronTrainer:
 
     # -- training ------------------------------------------------------------------------------------------------
     def train_step(self, samples: list[Sample], loss: str = "grpo") -> dict[str, float]:
-        """One optimizer step; returns averaged metrics. The version goes up by one."""
-        if not samples:
-            raise ValueError("train_step needs at least one sample")
+        """One optimizer step; returns averaged metrics. The version goes up by one.
+
+        No samples (every group of the batch had zero advantage) is a no-op step: the weights stay, the version and
+        the LR schedule still advance, so versions keep counting batches.
+        """
         if loss not in ("grpo", "sft"):
             raise ValueError(f"unknown loss {loss!r}; choose 'grpo' or 'sft'")
+        if not samples:
+            self.scheduler.step()
+            self.version += 1
+            self.step += 1
+            return {"skipped": 1.0, "samples": 0.0}
         t0 = time.perf_counter()
         adv = group_advantages([s.reward for s in samples], [s.group_id or s.sample_id for s in samples])
         if loss == "sft":

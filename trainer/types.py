@@ -61,6 +61,9 @@ class TrainerSettings:
     lr: float = 1e-5
     weight_decay: float = 0.0
     warmup_steps: int = 0
+    decay_steps: int = 0
+    """Cosine decay to ``min_lr_ratio`` of the peak over this many steps after warm-up (0: constant LR)."""
+    min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     clip_eps: float = 0.2
     tis_cap: float = 2.0

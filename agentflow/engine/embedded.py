@@ -5,6 +5,11 @@ variable: new requests (a queue that waits for free slots), aborts, and *ops* (p
 scoring, cache flushes), which the thread runs between decode steps so that a step never sees half-applied weights.
 Every step admits waiting requests (prefill into a free slot, sample one token), then decodes one token for every
 running request in one batched forward pass; requests leave as soon as they finish.
+
+Prefix cache: a finished request leaves its keys and values in its slot. Idle slots are kept in LRU order with the
+token ids their KV holds; a new request takes the idle slot sharing the longest common prefix with its prompt and
+prefills only the rest (a multi-turn episode that resumes with a longer context pays for its new tokens only). A
+request with no hit takes the least recently used idle slot. ``flush_cache()`` and weight updates drop it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import concurrent.futures as cf
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +33,8 @@ from agentflow.types import FinishReason, GenerateResult, PauseMode, SamplingPar
 
 T = TypeVar("T")
 Deliver = Callable[[GenerateResult | BaseException], None]
+#: Called on the decode thread after each sampled token: (token id, behaviour log-prob, weight version).
+OnToken = Callable[[int, float, int], None]
 _PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -46,6 +53,11 @@ class _Request:
     slot: int | None = None
     cached: int = 0
     """Tokens of ``prompt + output`` whose keys and values are in the slot."""
+    cache_hit: int = 0
+    """Prompt tokens found in the prefix cache at first admission (``GenerateResult.cached_tokens``)."""
+    retractions: int = 0
+    """Times the request lost its slot to ``pause("retract")`` or a memory release."""
+    on_token: OnToken | None = None
 
     def result(self, reason: FinishReason) -> GenerateResult:
         return GenerateResult(
@@ -55,7 +67,23 @@ class _Request:
             versions=list(self.versions),
             finish_reason=reason,
             prompt_tokens=len(self.prompt),
+            cached_tokens=self.cache_hit,
         )
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality (C-speed compares)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _safe_deliver(deliver: Deliver, value: GenerateResult | BaseException) -> None:
@@ -80,23 +108,40 @@ class EmbeddedEngine:
 
     ``max_slots`` bounds concurrent requests (more wait in a queue) and ``max_len`` bounds prompt + output tokens
     of one request; together they size the preallocated KV cache. ``seed`` seeds requests that carry no seed.
+    ``prefix_cache`` keeps finished requests' KV in idle slots for reuse; ``keep_cache_on_update`` keeps it across
+    weight updates (stale KV, off by default: an update flushes the prefix cache).
     """
 
-    def __init__(self, model_dir: str | Path, max_slots: int = 32, max_len: int = 1024, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        max_slots: int = 32,
+        max_len: int = 1024,
+        seed: int = 0,
+        prefix_cache: bool = True,
+        keep_cache_on_update: bool = False,
+    ) -> None:
+        self.model_dir = str(model_dir)
         self.model: DecoderModel = load_hf_dir(model_dir)
         self.cache = KVCache(self.model.config, max_slots, max_len)
         self.max_slots = max_slots
         self.max_len = max_len
+        self.prefix_cache = prefix_cache
+        self.keep_cache_on_update = keep_cache_on_update
         self._seed = seed
         self._counter = 0
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}
-        self._free_slots: list[int] = list(range(max_slots - 1, -1, -1))
+        self._idle: OrderedDict[int, list[int]] = OrderedDict((s, []) for s in range(max_slots))
+        """Free slots, least recently used first, each with the token ids whose KV it still holds."""
         self._rids: set[str] = set()
         self._aborts: set[str] = set()
         self._ops: deque[tuple[Callable[[], Any], cf.Future[Any]]] = deque()
         self._paused: PauseMode | None = None
+        self._released = False
+        self._retracted: OrderedDict[str, int] = OrderedDict()
+        """Retraction counts of the last finished requests that had any (bounded)."""
         self._closed = False
         self._version = 0
         self._stats: dict[str, float] = {
@@ -109,6 +154,8 @@ class EmbeddedEngine:
             "requests_aborted": 0,
             "scores": 0,
             "errors": 0,
+            "prefix_hits": 0,
+            "prefix_tokens_reused": 0,
         }
         self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
         self._thread.start()
@@ -120,16 +167,25 @@ class EmbeddedEngine:
         """The version of the weights the next logits will be computed with."""
         return self._version
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None) -> GenerateResult:
-        """Generate from ``input_ids``; cancelling the awaiting task aborts the request."""
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None, on_token: OnToken | None = None
+    ) -> GenerateResult:
+        """Generate from ``input_ids``; cancelling the awaiting task aborts the request.
+
+        ``on_token`` (optional) is called on the decode thread after every sampled token (streaming).
+        """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[GenerateResult] = loop.create_future()
-        rid = self._enqueue(input_ids, sampling, rid, lambda v: loop.call_soon_threadsafe(_settle, fut, v))
+        rid = self._enqueue(input_ids, sampling, rid, lambda v: loop.call_soon_threadsafe(_settle, fut, v), on_token)
         fut.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
         return await fut
 
     def submit(
-        self, input_ids: list[int], sampling: SamplingParams | None = None, rid: str | None = None
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams | None = None,
+        rid: str | None = None,
+        on_token: OnToken | None = None,
     ) -> cf.Future[GenerateResult]:
         """Enqueue a request from any thread; the returned future carries its result or error."""
         fut: cf.Future[GenerateResult] = cf.Future()
@@ -141,7 +197,7 @@ class EmbeddedEngine:
                 fut.set_result(value)
 
         try:
-            self._enqueue(input_ids, sampling or SamplingParams(), rid, deliver)
+            self._enqueue(input_ids, sampling or SamplingParams(), rid, deliver, on_token)
         except ValueError as exc:
             fut.set_exception(exc)
         return fut
@@ -200,9 +256,23 @@ class EmbeddedEngine:
                 self._cv.notify_all()
 
     def flush_cache(self) -> bool:
-        """Drop cached KV that no request holds. There is no prefix cache in v1, so this is a synchronised no-op
-        (safe while paused: in-place paused requests keep their KV)."""
-        return self._run_op(lambda: True)
+        """Drop the prefix cache (KV that no request holds); in-place paused requests keep their own KV."""
+        return self._run_op(self._do_flush)
+
+    def release_memory(self) -> None:
+        """Free the KV cache (running requests are retracted and wait); generation stops until
+        :meth:`resume_memory`. The fp32 weights stay: on CPU there is nowhere cheaper to put them."""
+        self._run_op(self._do_release)
+
+    def resume_memory(self) -> None:
+        """Reallocate the KV cache freed by :meth:`release_memory`; retracted requests are prefilled again."""
+        self._run_op(self._do_resume_memory)
+
+    def retractions(self, rid: str) -> int:
+        """How many times request ``rid`` (in flight or among the last finished) lost its slot to a retraction."""
+        with self._cv:
+            reqs = [*self._running.values(), *self._waiting]
+        return next((r.retractions for r in reqs if r.rid == rid), self._retracted.get(rid, 0))
 
     def stats(self) -> dict[str, Any]:
         """Counters (decode steps, tokens generated, busy seconds in forward passes, ...) and current load."""
@@ -214,6 +284,8 @@ class EmbeddedEngine:
             waiting=waiting,
             weight_version=self._version,
             paused=self._paused,
+            released=self._released,
+            cached_slots=sum(1 for ids in self._idle.values() if ids),
             max_slots=self.max_slots,
             max_len=self.max_len,
             kv_cache_bytes=self.cache.nbytes(),
@@ -246,7 +318,14 @@ class EmbeddedEngine:
             raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
         return out
 
-    def _enqueue(self, input_ids: list[int], sampling: SamplingParams, rid: str | None, deliver: Deliver) -> str:
+    def _enqueue(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str | None,
+        deliver: Deliver,
+        on_token: OnToken | None = None,
+    ) -> str:
         """Validate and queue one request; return its rid. Raises ValueError for a request that cannot run."""
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
@@ -264,7 +343,7 @@ class EmbeddedEngine:
             self._counter += 1
             seed = sampling.seed if sampling.seed is not None else (self._seed * 1_000_003 + self._counter)
             gen = torch.Generator().manual_seed(seed % (2**63))
-            req = _Request(rid, prompt, sampling, gen, deliver)
+            req = _Request(rid, prompt, sampling, gen, deliver, on_token=on_token)
             if sampling.max_new_tokens == 0:
                 _safe_deliver(deliver, req.result("length"))
                 return rid
@@ -288,7 +367,7 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------------------------------- decode thread
 
     def _has_work(self) -> bool:
-        busy = self._paused is None and bool(self._waiting or self._running)
+        busy = self._paused is None and not self._released and bool(self._waiting or self._running)
         return self._closed or bool(self._ops) or bool(self._aborts) or busy
 
     def _loop(self) -> None:
@@ -308,7 +387,7 @@ class EmbeddedEngine:
                         fut.set_exception(exc)
             try:
                 self._handle_aborts(aborts)
-                if self._paused is None:
+                if self._paused is None and not self._released:
                     self._step()
             except Exception as exc:  # every pending request learns the error
                 self._stats["errors"] += 1
@@ -318,18 +397,36 @@ class EmbeddedEngine:
     def _step(self) -> None:
         """Admit waiting requests into free slots, then decode one token for every running request."""
         admitted: list[_Request] = []
-        while self._free_slots:
+        while self._idle:
             with self._cv:
                 if not self._waiting:
                     break
                 req = self._waiting.popleft()
-            req.slot = self._free_slots.pop()
+            self._admit(req)
             self._running[req.slot] = req
             admitted.append(req)
             self._prefill(req)
         active = [r for slot, r in sorted(self._running.items()) if r not in admitted]
         if active:
             self._decode(active)
+
+    def _admit(self, req: _Request) -> None:
+        """Give ``req`` the idle slot whose cached ids share the longest prefix with it (else the LRU one)."""
+        seq = req.prompt + req.output
+        best, hit = next(iter(self._idle)), 0
+        if self.prefix_cache:
+            for slot, ids in self._idle.items():
+                n = common_prefix(ids, seq) if ids else 0
+                if n > hit:
+                    best, hit = slot, n
+        del self._idle[best]
+        req.slot = best
+        req.cached = min(hit, len(seq) - 1)  # at least one token goes through the model for its logits
+        if req.cached > 0:
+            self._stats["prefix_hits"] += 1
+            self._stats["prefix_tokens_reused"] += req.cached
+        if not req.output:
+            req.cache_hit = req.cached
 
     def _prefill(self, req: _Request) -> None:
         assert req.slot is not None
@@ -363,15 +460,24 @@ class EmbeddedEngine:
             req.logprobs.append(lp)
             req.versions.append(self._version)
             self._stats["tokens_generated"] += 1
+            if req.on_token is not None:
+                try:
+                    req.on_token(tok, lp, self._version)
+                except Exception:  # a broken listener must not stop the engine
+                    req.on_token = None
             if tok in req.sampling.stop_token_ids:
                 self._finish(req, "stop")
             elif len(req.output) >= req.sampling.max_new_tokens or len(req.prompt) + len(req.output) >= self.max_len:
                 self._finish(req, "length")
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: _Request, keep_kv: bool = True) -> None:
+        """Free the request's slot; its KV stays there as a prefix-cache entry unless ``keep_kv`` is False."""
         if req.slot is not None:
             self._running.pop(req.slot, None)
-            self._free_slots.append(req.slot)
+            seq = (req.prompt + req.output)[: req.cached] if keep_kv and self.prefix_cache else []
+            self._idle[req.slot] = seq
+            if not seq:
+                self._idle.move_to_end(req.slot, last=False)  # empty slots are taken before cached ones
             req.slot = None
         req.cached = 0
         with self._cv:
@@ -379,6 +485,10 @@ class EmbeddedEngine:
 
     def _finish(self, req: _Request, reason: FinishReason) -> None:
         self._release(req)
+        if req.retractions:
+            self._retracted[req.rid] = req.retractions
+            if len(self._retracted) > 1024:
+                self._retracted.popitem(last=False)
         self._stats["requests_aborted" if reason == "abort" else "requests_finished"] += 1
         _safe_deliver(req.deliver, req.result(reason))
 
@@ -402,7 +512,7 @@ class EmbeddedEngine:
 
     def _fail_all(self, exc: BaseException) -> None:
         for req in self._take_all():
-            self._release(req)
+            self._release(req, keep_kv=False)
             _safe_deliver(req.deliver, exc)
 
     def _shutdown(self) -> None:
@@ -423,20 +533,43 @@ class EmbeddedEngine:
             for req in self._take_all():
                 self._finish(req, "abort")
         elif mode == "retract":
-            running = [r for _, r in sorted(self._running.items())]
-            for req in running:
-                self._release(req)
-                with self._cv:
-                    self._rids.add(req.rid)
+            self._retract_running()
+
+    def _retract_running(self) -> None:
+        """Move running requests back to the front of the queue; their KV stays only as a prefix-cache entry."""
+        running = [r for _, r in sorted(self._running.items())]
+        for req in running:
+            self._release(req)
+            req.retractions += 1
             with self._cv:
-                self._waiting.extendleft(reversed(running))
+                self._rids.add(req.rid)
+        with self._cv:
+            self._waiting.extendleft(reversed(running))
 
     def _do_resume(self) -> None:
         self._paused = None
 
+    def _do_flush(self) -> bool:
+        for slot in list(self._idle):
+            self._idle[slot] = []
+        return True
+
+    def _do_release(self) -> None:
+        self._retract_running()
+        self._do_flush()
+        self._released = True
+        self.cache.data = torch.empty(0)
+
+    def _do_resume_memory(self) -> None:
+        if self._released:
+            self.cache = KVCache(self.model.config, self.max_slots, self.max_len)
+            self._released = False
+
     def _do_update(self, version: int, named_tensors: dict[str, Any]) -> None:
         self.model.load_(named_tensors)
         self._version = version
+        if not self.keep_cache_on_update:
+            self._do_flush()
 
     def _do_score(self, ids: list[int], start: int, top_k: int) -> ScoreResult:
         t0 = time.perf_counter()

@@ -1,0 +1,49 @@
+"""Plots of a run directory: success over RL steps (overall and per task type) from ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _smooth(xs: list[float], k: int) -> list[float]:
+    out = []
+    for i in range(len(xs)):
+        window = xs[max(0, i - k + 1) : i + 1]
+        out.append(sum(window) / len(window))
+    return out
+
+
+def plot_success(run_dir: str | Path, out: str | Path | None = None, smooth: int = 5) -> Path:
+    """Training-batch success per RL step (moving average), with greedy held-out success before/after as markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = Path(run_dir)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, _smooth([r["rollout/success"] for r in rows], smooth), color="k", lw=2, label="all (sampled)")
+    for key in sorted(k for k in rows[0] if k.startswith("rollout/success_")) if rows else []:
+        series = [r.get(key, float("nan")) for r in rows]
+        ax.plot(steps, _smooth(series, smooth), lw=1, label=key.removeprefix("rollout/success_"))
+    summary_path = run / "summary.json"
+    if summary_path.is_file():
+        s = json.loads(summary_path.read_text())
+        last = steps[-1] if steps else 0
+        ax.scatter(
+            [0, last], [s["success_before_rl"], s["success_after_rl"]], color="r", zorder=5, label="held-out, greedy"
+        )
+        ax.axhline(s["scripted_policy_success"], color="gray", ls="--", lw=1, label="scripted policy")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("success")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(f"{run.name}: success over RL steps")
+    fig.tight_layout()
+    path = Path(out) if out else run / "success.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,125 @@
+"""Prefix cache of the embedded engine: multi-turn resumes pay for new tokens only, exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentflow.engine.embedded import EmbeddedEngine, common_prefix
+from agentflow.types import SamplingParams
+
+pytest.importorskip("transformers")
+from test_engine import prompt, wait_for  # noqa: E402
+from test_engine_model import make_model_dir  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prefix_qwen2")
+    make_model_dir(path, "qwen2")
+    return path
+
+
+def full_logprobs(eng: EmbeddedEngine, seq: list[int], start: int, temperature: float = 1.0) -> torch.Tensor:
+    """Behaviour log-probs of ``seq[start:]`` from one full forward pass (no cache)."""
+    logits = eng.model.forward_full(torch.tensor(seq))[start - 1 : len(seq) - 1]
+    logp = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    return logp.gather(1, torch.tensor(seq[start:])[:, None])[:, 0]
+
+
+def test_common_prefix() -> None:
+    assert common_prefix([], [1]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3, 4]) == 3
+    assert common_prefix([1, 2, 3, 9], [1, 2, 3, 4]) == 3
+    assert common_prefix(list(range(1000)), [*range(517), -1]) == 517
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_multi_turn_resume_pays_for_new_tokens_only(qwen_dir, temperature) -> None:
+    sp = SamplingParams(temperature=temperature, max_new_tokens=10, seed=7)
+    with EmbeddedEngine(qwen_dir, max_slots=3, max_len=256) as eng:
+        context = prompt(40, seed=1)
+        for turn in range(4):
+            before = eng.stats()["prefill_tokens"]
+            res = eng.generate_sync(context, sp)
+            paid = eng.stats()["prefill_tokens"] - before
+            if turn == 0:
+                assert res.cached_tokens == 0 and paid == len(context)
+            else:
+                # Everything but the previous turn's last sampled token (never fed back) was cached.
+                assert res.cached_tokens == previous_len - 1 and paid == len(context) - res.cached_tokens
+            seq = context + res.output_ids
+            ref = full_logprobs(eng, seq, len(context), temperature)
+            torch.testing.assert_close(torch.tensor(res.logprobs), ref, atol=1e-4, rtol=0)
+            previous_len = len(seq)
+            context = seq + prompt(7, seed=100 + turn)  # the environment's answer
+        assert eng.stats()["prefix_hits"] == 3
+
+
+def test_greedy_outputs_equal_without_cache(qwen_dir) -> None:
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    outs = []
+    for cache in (True, False):
+        with EmbeddedEngine(qwen_dir, max_slots=2, max_len=256, prefix_cache=cache) as eng:
+            ctx, turns = prompt(20, seed=2), []
+            for t in range(3):
+                res = eng.generate_sync(ctx, sp)
+                turns.append((res.output_ids, res.logprobs, res.cached_tokens))
+                ctx = ctx + res.output_ids + prompt(5, seed=50 + t)
+            outs.append(turns)
+    for (ids_a, lp_a, hit_a), (ids_b, lp_b, hit_b) in zip(*outs, strict=True):
+        assert ids_a == ids_b and hit_b == 0
+        torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4, rtol=0)
+    assert [hit for _, _, hit in outs[0]][1:] == [27, 40]
+
+
+def test_longest_prefix_slot_and_lru_eviction(qwen_dir) -> None:
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4)
+    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128) as eng:
+        a, b = prompt(30, seed=3), prompt(30, seed=4)
+        ra = eng.generate_sync(a, sp)
+        eng.generate_sync(b, sp)  # takes the empty slot, keeps a's cache
+        assert eng.stats()["cached_slots"] == 2
+        # Shares 30 tokens with a: reuses a's slot, even though b's was used more recently.
+        hit = eng.generate_sync(a + ra.output_ids[:2] + [5], sp)
+        assert hit.cached_tokens == 32
+        # No hit anywhere: evicts the least recently used slot (b's), a's stays reusable.
+        assert eng.generate_sync(prompt(30, seed=5), sp).cached_tokens == 0
+        assert eng.generate_sync(a[:20] + [1, 2], sp).cached_tokens == 20
+        # An identical prompt still sends its last token through the model.
+        assert eng.generate_sync(a[:20] + [1, 2], sp).cached_tokens == 21
+
+
+def test_flush_and_weight_update_invalidate(qwen_dir, tmp_path) -> None:
+    sp = SamplingParams(temperature=0.0, max_new_tokens=4)
+    new = make_model_dir(tmp_path, "qwen2", seed=3).state_dict()
+    ids = prompt(25, seed=6)
+    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128) as eng:
+        eng.generate_sync(ids, sp)
+        assert eng.flush_cache() and eng.stats()["cached_slots"] == 0
+        assert eng.generate_sync(ids + [1], sp).cached_tokens == 0
+        assert eng.generate_sync(ids + [1, 2], sp).cached_tokens == 26
+        eng.update_weights(1, new)
+        res = eng.generate_sync(ids + [1, 2, 3], sp)
+        assert res.cached_tokens == 0 and res.versions == [1] * 4
+        torch.testing.assert_close(
+            torch.tensor(res.logprobs), full_logprobs(eng, ids + [1, 2, 3] + res.output_ids, 28), atol=1e-4, rtol=0
+        )
+    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128, keep_cache_on_update=True) as eng:
+        eng.generate_sync(ids, sp)
+        eng.update_weights(1, new)
+        assert eng.generate_sync(ids + [1], sp).cached_tokens == 25  # stale KV kept, as configured
+
+
+def test_release_and_resume_memory(qwen_dir) -> None:
+    sp = SamplingParams(temperature=0.0, max_new_tokens=300)
+    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=512) as eng:
+        reference = eng.generate_sync(prompt(6), sp)
+        fut = eng.submit(prompt(6), sp, rid="long")
+        wait_for(lambda: eng.stats()["tokens_generated"] > len(reference.output_ids) + 5)
+        eng.release_memory()
+        assert eng.stats()["kv_cache_bytes"] == 0 and eng.stats()["released"]
+        assert eng.retractions("long") == 1 and not fut.done()
+        eng.resume_memory()
+        res = fut.result(timeout=30)
+        assert res.output_ids == reference.output_ids and eng.stats()["kv_cache_bytes"] > 0
