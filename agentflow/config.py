@@ -52,10 +52,28 @@ class RolloutConfig(Section):
 
 
 class EngineConfig(Section):
+    type: Literal["embedded", "sglang"] = "embedded"
+    """Inference engine: the in-process CPU engine, or SGLang-protocol servers over HTTP (``urls``)."""
     max_slots: int = Field(32, ge=1)
     """Sequences decoded together (KV cache slots)."""
     max_len: int = Field(640, ge=16)
     """Tokens per KV cache slot (prompt + all turns)."""
+    prefix_cache: bool = True
+    """Embedded: keep finished sequences' KV in idle slots so a resumed episode pays only for its new tokens."""
+    keep_cache_on_update: bool = False
+    """Embedded: keep the prefix cache across weight updates (stale KV); by default an update flushes it."""
+    urls: list[str] = Field(default_factory=list)
+    """SGLang: server base URLs, e.g. ``["http://127.0.0.1:30000"]`` (one trajectory sticks to one server)."""
+    api_key: str | None = None
+    """SGLang: the run's key for state-changing endpoints (``Authorization: Bearer``); see ``api_key_env``."""
+    api_key_env: str | None = "AGENTFLOW_ENGINE_KEY"
+    """SGLang: environment variable holding the key when ``api_key`` is unset (keeps it out of saved configs)."""
+    request_timeout: float = Field(3600.0, gt=0)
+    """SGLang: seconds one HTTP request may take (a long generation included)."""
+    max_retries: int = Field(3, ge=0)
+    """SGLang: retries of a request on another server after a connection error."""
+    health_interval: float = Field(5.0, gt=0)
+    """SGLang: seconds between ``/health`` checks of servers marked unhealthy."""
 
 
 class StoreConfig(Section):

@@ -106,7 +106,11 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str,
     from trainer.launcher import LocalTrainerGroup
     from trainer.types import TrainerSettings
 
-    settings = TrainerSettings(**cfg.trainer.model_dump(exclude={"loss"}), threads=cfg.run.threads)
+    settings = TrainerSettings(
+        **cfg.trainer.model_dump(exclude={"loss", "drop_uniform_groups"}),
+        threads=cfg.run.threads,
+        temperature=cfg.rollout.temperature or 1.0,
+    )
     trainer = await asyncio.to_thread(LocalTrainerGroup, policy_dir, settings)
     engine = EmbeddedEngine(policy_dir, max_slots=cfg.engine.max_slots, max_len=cfg.engine.max_len, seed=cfg.run.seed)
     pool = EnvPool(cfg.env.id, cfg.env.kwargs)

@@ -218,3 +218,15 @@ def test_checkpoint_resume_is_exact(tiny_model, tmp_path):
     for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
         assert torch.equal(p, q), n
     assert a.version == b.version == 2
+
+
+def test_behaviour_logprobs_match_trainer_at_rollout_temperature(tiny_model):
+    from trainer.megatron_trainer import MegatronTrainer
+    from trainer.types import TrainerSettings
+
+    trainer = MegatronTrainer(tiny_model, TrainerSettings(threads=1, temperature=0.7))
+    with EmbeddedEngine(tiny_model, max_slots=2, max_len=256) as engine:
+        prompt = list(range(5, 40))
+        res = engine.generate_sync(prompt, SamplingParams(temperature=0.7, top_k=20, max_new_tokens=16, seed=4))
+    lp = trainer.sequence_logprobs(prompt + res.output_ids)[len(prompt) - 1 :]
+    assert max(abs(a - b) for a, b in zip(lp, res.logprobs, strict=True)) < 1e-4

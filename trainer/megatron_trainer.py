@@ -110,7 +110,8 @@ class MegatronTrainer:
         return metrics
 
     def _micro_step(self, mb: MicroBatch, loss: str, denom: float) -> dict[str, float]:
-        logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask())
+        temperature = 1.0 if loss == "sft" else self.settings.temperature
+        logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask(), temperature)
         if loss == "sft":
             value = sft_loss(logp, mb.target_mask, denom)
             value.backward()
@@ -143,10 +144,11 @@ class MegatronTrainer:
         return total / max(count, 1)
 
     @torch.no_grad()
-    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
-        """Per-token log-probs of one sequence (position t: token t+1), as the loss sees them."""
+    def sequence_logprobs(self, token_ids: list[int], temperature: float | None = None) -> list[float]:
+        """Per-token log-probs of one sequence (position t: token t+1), as the RL loss sees them."""
         ids = torch.tensor([token_ids])
-        return token_logprobs(self.model, ids).squeeze(0).tolist()
+        t = self.settings.temperature if temperature is None else temperature
+        return token_logprobs(self.model, ids, temperature=t).squeeze(0).tolist()
 
     # -- weights out ---------------------------------------------------------------------------------------------
     def export_weights(self) -> dict[str, torch.Tensor]:

@@ -357,12 +357,18 @@ class _GatherLastDim(torch.autograd.Function):
         return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous()
 
 
-def token_logprobs(model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+def token_logprobs(
+    model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None, temperature: float = 1.0
+) -> Tensor:
     """``log p(ids[:, t+1] | ids[:, :t+1])`` as fp32 ``[b, s-1]``; zero where the target is right padding.
 
-    Differentiable; vocab-parallel under TP (megatron's ``vocab_parallel_cross_entropy``).
+    ``temperature`` divides the logits first, so the result matches the engine's behaviour log-probs of tokens
+    sampled at that temperature (DESIGN.md: after temperature, before top-k/top-p). Differentiable; vocab-parallel
+    under TP (megatron's ``vocab_parallel_cross_entropy``).
     """
     logits = _logits(model, input_ids, attention_mask)[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
     targets = input_ids[:, 1:]
     if tp_rank_and_size()[1] > 1:
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), targets.contiguous())

@@ -67,6 +67,8 @@ class TrainerSettings:
     grad_clip: float = 1.0
     clip_eps: float = 0.2
     tis_cap: float = 2.0
+    temperature: float = 1.0
+    """Rollout sampling temperature: RL log-probs are taken from logits / temperature, as the engine's are."""
     micro_batch_tokens: int = 4096
     seed: int = 0
     threads: int = 1

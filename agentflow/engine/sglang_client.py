@@ -1,0 +1,384 @@
+"""``SGLangEngine``: the InferenceEngine protocol over HTTP, for N SGLang-protocol servers (real SGLang or ours).
+
+Routing: requests of one trajectory (the rid's part before ``:``) stick to one server, so its prefix cache pays
+off; a new trajectory goes to the healthy server with the fewest requests in flight. A request that cannot reach
+its server (connection refused) is retried on another; one whose connection breaks mid-way is aborted there
+(best effort) and retried. Servers that fail are marked unhealthy and re-checked with ``GET /health`` in the
+background. Weight versions are ints here and ``str(version)`` on the wire.
+
+All HTTP runs on one private event loop thread, so the synchronous methods (``score``, ``pause``,
+``update_weights``...) work from any thread and ``generate`` from any event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+
+from agentflow.engine import protocol as P
+from agentflow.engine.tensors import serialize_named_tensors
+from agentflow.types import GenerateResult, PauseMode, SamplingParams, ScoreResult
+
+T = TypeVar("T")
+_REACHED_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)
+
+
+class SGLangRequestError(ValueError):
+    """The server rejected a request (HTTP 4xx); the message is the server's."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class SGLangServerError(RuntimeError):
+    """The server failed (HTTP 5xx) or no server could be reached."""
+
+
+def error_text(body: Any) -> str:
+    """The message of any of SGLang's error bodies (``{error: {message}}``, ``{error: str}``, OpenAI style, text)."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err is not None:
+            return str(err)
+        if "message" in body:
+            return str(body["message"])
+    return str(body).strip()
+
+
+def parse_generate_reply(data: dict[str, Any], rid: str | None = None) -> GenerateResult:
+    """A ``/generate`` reply object (or a stream's last chunk) as a GenerateResult."""
+    meta = data["meta_info"]
+    ids = [int(t) for t in data.get("output_ids", [])]
+    triples = meta.get("output_token_logprobs") or []
+    logprobs = [float(t[0]) if t[0] is not None else 0.0 for t in triples][: len(ids)]
+    logprobs += [0.0] * (len(ids) - len(logprobs))
+    current = P.parse_version(meta.get("weight_version", P.DEFAULT_VERSION_LABEL))
+    reason = (meta.get("finish_reason") or {}).get("type", "abort")
+    return GenerateResult(
+        rid=str(meta.get("id", rid)),
+        output_ids=ids,
+        logprobs=logprobs,
+        versions=P.versions_from_spans(meta.get("weight_versions"), len(ids), current),
+        finish_reason=reason if reason in ("stop", "length", "abort") else "abort",
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        cached_tokens=int(meta.get("cached_tokens") or 0),
+    )
+
+
+def parse_score_reply(data: dict[str, Any]) -> ScoreResult:
+    """Prompt log-probs (``input_token_logprobs``; a leading null is dropped) of a scoring ``/generate``."""
+    meta = data["meta_info"]
+    triples = meta.get("input_token_logprobs") or []
+    rows = meta.get("input_top_logprobs") or []
+    keep = [i for i, t in enumerate(triples) if t[0] is not None]
+    top = None
+    if rows:
+        top = [[(int(t[1]), float(t[0])) for t in rows[i]] for i in keep if i < len(rows) and rows[i]]
+    return ScoreResult(
+        logprobs=[float(triples[i][0]) for i in keep],
+        top_logprobs=top,
+        weight_version=P.parse_version(meta.get("weight_version", P.DEFAULT_VERSION_LABEL)),
+    )
+
+
+def sampling_json(s: SamplingParams) -> dict[str, Any]:
+    """SGLang ``sampling_params`` for ours (EOS is ignored: like the embedded engine, only stop ids stop)."""
+    out: dict[str, Any] = {
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "max_new_tokens": s.max_new_tokens,
+        "stop_token_ids": list(s.stop_token_ids),
+        "ignore_eos": True,
+    }
+    if s.seed is not None:
+        out["sampling_seed"] = s.seed
+    return out
+
+
+@dataclass
+class _Server:
+    url: str
+    healthy: bool = True
+    inflight: int = 0
+
+
+class SGLangEngine:
+    """InferenceEngine over SGLang-protocol servers at ``urls`` (``http://host:port``)."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        api_key: str | None = None,
+        request_timeout: float = 3600.0,
+        connect_timeout: float = 5.0,
+        max_retries: int = 3,
+        health_interval: float = 5.0,
+    ) -> None:
+        if not urls:
+            raise ValueError("SGLangEngine needs at least one server url")
+        self.servers = [_Server(u.rstrip("/")) for u in urls]
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout, sock_connect=connect_timeout)
+        self.max_retries = max_retries
+        self.health_interval = health_interval
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        self._where: dict[str, int] = {}
+        self._version = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-client", daemon=True)
+        self._thread.start()
+        self._health_task = self._submit(self._health_loop())
+
+    # ------------------------------------------------------------------------------------------- plumbing
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> cf.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("blocking SGLangEngine call from its own event loop")
+        return self._submit(coro).result()
+
+    async def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+        return self._session
+
+    async def _request(self, srv: _Server, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One HTTP call; returns (status, parsed JSON or text). Connection errors propagate."""
+        session = await self._http()
+        async with session.request(method, srv.url + path, json=body) as r:
+            text = await r.text()
+            if "json" in (r.headers.get("Content-Type") or ""):
+                return r.status, (await r.json(content_type=None)) if text else None
+            return r.status, text
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            await asyncio.gather(*(self._check(s) for s in self.servers if not s.healthy))
+
+    async def _check(self, srv: _Server) -> bool:
+        try:
+            status, _ = await asyncio.wait_for(self._request(srv, "GET", "/health"), 5.0)
+            srv.healthy = status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            srv.healthy = False
+        return srv.healthy
+
+    def check_health(self) -> list[bool]:
+        """``GET /health`` on every server now; returns (and records) each one's health."""
+
+        async def all_() -> list[bool]:
+            return list(await asyncio.gather(*(self._check(s) for s in self.servers)))
+
+        return self._run(all_())
+
+    # -------------------------------------------------------------------------------------------- routing
+
+    def _choose(self, traj: str | None, exclude: set[int]) -> int:
+        """The trajectory's server if it is healthy, else the least-loaded healthy one (sticky from now on)."""
+        candidates = [i for i, s in enumerate(self.servers) if s.healthy and i not in exclude]
+        if not candidates:
+            candidates = [i for i in range(len(self.servers)) if i not in exclude] or list(range(len(self.servers)))
+        if traj is not None and self._sticky.get(traj) in candidates:
+            self._sticky.move_to_end(traj)
+            return self._sticky[traj]
+        idx = min(candidates, key=lambda i: (self.servers[i].inflight, i))
+        if traj is not None:
+            self._sticky[traj] = idx
+            if len(self._sticky) > 100_000:
+                self._sticky.popitem(last=False)
+        return idx
+
+    def server_of(self, rid: str) -> int | None:
+        """Index of the server a trajectory (``rid``'s part before ``:``) sticks to, if any."""
+        return self._sticky.get(rid.split(":", 1)[0])
+
+    # ---------------------------------------------------------------------------------------- generation
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the last update this client applied (or read from the servers by :meth:`sync_version`)."""
+        return self._version
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None) -> GenerateResult:
+        """Generate on the trajectory's server; cancelling the awaiting task aborts the request there."""
+        fut = self._submit(self._generate(list(input_ids), sampling, rid or uuid.uuid4().hex))
+        return await asyncio.wrap_future(fut)
+
+    def generate_sync(
+        self, input_ids: list[int], sampling: SamplingParams | None = None, rid: str | None = None
+    ) -> GenerateResult:
+        """Blocking :meth:`generate`."""
+        return self._run(self._generate(list(input_ids), sampling or SamplingParams(), rid or uuid.uuid4().hex))
+
+    async def _generate(self, ids: list[int], sampling: SamplingParams, rid: str) -> GenerateResult:
+        body = {"input_ids": ids, "sampling_params": sampling_json(sampling), "return_logprob": True, "rid": rid}
+        status, data = await self._routed(rid.split(":", 1)[0], rid, "/generate", body)
+        if status != 200:
+            raise self._error(status, data)
+        return parse_generate_reply(data, rid)
+
+    async def _routed(self, traj: str | None, rid: str | None, path: str, body: Any) -> tuple[int, Any]:
+        """POST to the routed server, retrying elsewhere on connection errors (aborting ``rid`` where it broke)."""
+        tried: set[int] = set()
+        last: BaseException | None = None
+        for _ in range(self.max_retries + 1):
+            idx = self._choose(traj, tried)
+            srv = self.servers[idx]
+            srv.inflight += 1
+            if rid is not None:
+                self._where[rid] = idx
+            try:
+                return await self._request(srv, "POST", path, body)
+            except aiohttp.ClientConnectorError as exc:  # never reached the server: safe to send elsewhere
+                last = exc
+            except _REACHED_ERRORS as exc:  # reached it, then the connection broke: make sure it stops
+                last = exc
+                if rid is not None:
+                    await self._quiet(srv, "/abort_request", {"rid": rid})
+            except asyncio.CancelledError:
+                if rid is not None:
+                    asyncio.ensure_future(self._quiet(srv, "/abort_request", {"rid": rid}))
+                raise
+            finally:
+                srv.inflight -= 1
+                if rid is not None and self._where.get(rid) == idx:
+                    del self._where[rid]
+            srv.healthy = False
+            tried.add(idx)
+            if len(tried) == len(self.servers):
+                tried.clear()
+                await asyncio.sleep(0.2)
+        raise SGLangServerError(f"no server answered {path} after {self.max_retries + 1} tries: {last!r}")
+
+    async def _quiet(self, srv: _Server, path: str, body: Any) -> None:
+        try:
+            await asyncio.wait_for(self._request(srv, "POST", path, body), 5.0)
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            pass
+
+    @staticmethod
+    def _error(status: int, data: Any) -> Exception:
+        cls = SGLangRequestError if 400 <= status < 500 else None
+        return cls(status, error_text(data)) if cls else SGLangServerError(f"HTTP {status}: {error_text(data)}")
+
+    def score(self, ids: list[int], start: int, top_k: int = 0) -> ScoreResult:
+        """Log-probs of ``ids[start:]`` (``/generate`` with ``max_new_tokens`` 0 and ``logprob_start_len``)."""
+        if not 1 <= start <= len(ids):
+            raise ValueError(f"score start must be in [1, {len(ids)}], got {start}")
+        body = {
+            "input_ids": list(ids),
+            "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+            "return_logprob": True,
+            "logprob_start_len": start,
+            "top_logprobs_num": top_k,
+        }
+
+        async def go() -> ScoreResult:
+            status, data = await self._routed(None, None, "/generate", body)
+            if status != 200:
+                raise self._error(status, data)
+            return parse_score_reply(data)
+
+        return self._run(go())
+
+    # ------------------------------------------------------------------------------------ control (all servers)
+
+    def _broadcast(self, path: str, body: Any = None, method: str = "POST") -> list[tuple[int, Any]]:
+        async def all_() -> list[tuple[int, Any]]:
+            return list(await asyncio.gather(*(self._request(s, method, path, body) for s in self.servers)))
+
+        replies = self._run(all_())
+        for status, data in replies:
+            if status == 401 or status >= 500:
+                raise self._error(status, data)
+        return replies
+
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        """``/pause_generation`` on every server."""
+        for status, data in self._broadcast("/pause_generation", {"mode": mode}):
+            if status != 200:
+                raise self._error(status, data)
+
+    def resume(self) -> None:
+        """``/continue_generation`` on every server."""
+        self._broadcast("/continue_generation", {})
+
+    def abort(self, rid: str) -> None:
+        """Abort ``rid`` on the server running it (or on all when unknown); unknown ids are ignored."""
+        idx = self._where.get(rid)
+        targets = [self.servers[idx]] if idx is not None else self.servers
+
+        async def go() -> None:
+            await asyncio.gather(*(self._quiet(s, "/abort_request", {"rid": rid}) for s in targets))
+
+        self._run(go())
+
+    def flush_cache(self) -> bool:
+        """``/flush_cache`` on every server; True if all flushed (SGLang refuses while requests run)."""
+        return all(status == 200 for status, _ in self._broadcast("/flush_cache", None))
+
+    def sync_version(self) -> int:
+        """Read ``weight_version`` from every server's ``/model_info``; set and return the lowest."""
+        versions = [P.parse_version(d["weight_version"]) for _, d in self._broadcast("/model_info", method="GET")]
+        self._version = min(versions)
+        return self._version
+
+    def update_weights(self, version: int, named_tensors: dict[str, Any]) -> None:
+        """Push a whole version to every server: begin, ``update_weights_from_tensor``, end (same host only:
+        tensors travel as shared-memory handles). Raises if any server refuses; the version is then not set."""
+        tensors = [(name, t.detach().to("cpu").clone()) for name, t in named_tensors.items()]
+        payload = serialize_named_tensors(tensors)
+        body = {"serialized_named_tensors": [payload], "flush_cache": True, "weight_version": str(version)}
+
+        async def one(srv: _Server) -> str | None:
+            await self._request(srv, "POST", "/begin_weight_update", {})
+            try:
+                status, data = await self._request(srv, "POST", "/update_weights_from_tensor", body)
+            finally:
+                await self._request(srv, "POST", "/end_weight_update", {})
+            ok = status == 200 or error_text(data).startswith("Weights were updated")  # SGLang's in-place quirk
+            return None if ok else f"{srv.url}: HTTP {status}: {error_text(data)}"
+
+        async def all_() -> list[str | None]:
+            return list(await asyncio.gather(*(one(s) for s in self.servers)))
+
+        problems = [p for p in self._run(all_()) if p]
+        del tensors  # the servers have copied them out of shared memory
+        if problems:
+            raise ValueError(f"weight update to version {version} failed: {'; '.join(problems)}")
+        self._version = version
+
+    def close(self) -> None:
+        """Close the HTTP session and stop the client's event loop."""
+
+        async def shutdown() -> None:
+            self._health_task.cancel()
+            if self._session is not None:
+                await self._session.close()
+
+        if self._thread.is_alive():
+            self._submit(shutdown()).result(timeout=10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> SGLangEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
