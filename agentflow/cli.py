@@ -28,6 +28,14 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("overrides", nargs="*")
     ev.add_argument("--model", help="model directory (default: the config's model.path)")
 
+    serve = sub.add_parser("serve", help="serve a model directory over the SGLang HTTP protocol (embedded engine)")
+    serve.add_argument("model_dir")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--max-slots", type=int, default=32)
+    serve.add_argument("--max-len", type=int, default=2048)
+    serve.add_argument("--seed", type=int, default=0)
+
     envs_p = sub.add_parser("envs", help="environment registry").add_subparsers(dest="envs_cmd", required=True)
     envs_p.add_parser("list", help="list registered environment ids")
     return p
@@ -49,6 +57,19 @@ def _run(args: argparse.Namespace) -> int:
         cfg = ModelInitConfig(seed=args.seed, hidden_size=args.hidden_size, num_hidden_layers=args.layers)
         out = init_model(args.out_dir, cfg, env_ids=args.env)
         print(f"wrote {out} ({count_parameters(cfg) / 1e6:.2f}M parameters)")
+        return 0
+    if args.cmd == "serve":
+        import os
+
+        from agentflow.engine.server import serve
+
+        key = os.environ.get("AGENTFLOW_ENGINE_KEY")  # the run's key stays off the command line
+        if not key:
+            import secrets
+
+            key = secrets.token_urlsafe(24)
+            print(f"agentflow: AGENTFLOW_ENGINE_KEY not set; this server's key is {key}", file=sys.stderr)
+        serve(args.model_dir, args.host, args.port, key, args.max_slots, args.max_len, args.seed)
         return 0
     if args.cmd == "envs":
         import envs

@@ -102,7 +102,7 @@ def run_job(cfg: JobConfig, log=print) -> dict[str, Any]:
 
 
 async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str, Any]:
-    from agentflow.engine.embedded import EmbeddedEngine
+    from agentflow.engine.factory import make_engine
     from trainer.launcher import LocalTrainerGroup
     from trainer.types import TrainerSettings
 
@@ -112,7 +112,7 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str,
         temperature=cfg.rollout.temperature or 1.0,
     )
     trainer = await asyncio.to_thread(LocalTrainerGroup, policy_dir, settings)
-    engine = EmbeddedEngine(policy_dir, max_slots=cfg.engine.max_slots, max_len=cfg.engine.max_len, seed=cfg.run.seed)
+    engine = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed)
     pool = EnvPool(cfg.env.id, cfg.env.kwargs)
     stale = 0 if cfg.run.mode == "sync" else cfg.store.stale_steps
     store = TrajectoryStore(cfg.store.batch_groups, stale, Journal(run_dir / "journal.jsonl"))
@@ -176,9 +176,9 @@ def run_eval(cfg: JobConfig, model_dir: str | None = None) -> dict[str, Any]:
         raise JobError(f"model directory not found: {path}")
 
     async def go() -> dict[str, Any]:
-        from agentflow.engine.embedded import EmbeddedEngine
+        from agentflow.engine.factory import make_engine
 
-        engine = EmbeddedEngine(path, max_slots=cfg.engine.max_slots, max_len=cfg.engine.max_len, seed=cfg.run.seed)
+        engine = make_engine(cfg.engine, path, seed=cfg.run.seed)
         pool = EnvPool(cfg.env.id, cfg.env.kwargs)
         rollouts = Rollouts(engine, ChatTokenizer(path), pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
         try:

@@ -26,9 +26,11 @@ def plot_success(run_dir: str | Path, out: str | Path | None = None, smooth: int
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, _smooth([r["rollout/success"] for r in rows], smooth), color="k", lw=2, label="all (sampled)")
-    for key in sorted(k for k in rows[0] if k.startswith("rollout/success_")) if rows else []:
-        series = [r.get(key, float("nan")) for r in rows]
-        ax.plot(steps, _smooth(series, smooth), lw=1, label=key.removeprefix("rollout/success_"))
+    for key in sorted({k for r in rows for k in r if k.startswith("rollout/success_")}):
+        # a batch holds few task types, so each type is measured only at some steps: plot where it was
+        xs = [r["step"] for r in rows if key in r]
+        ys = _smooth([r[key] for r in rows if key in r], smooth)
+        ax.plot(xs, ys, lw=1, marker=".", ms=3, label=key.removeprefix("rollout/success_"))
     summary_path = run / "summary.json"
     if summary_path.is_file():
         s = json.loads(summary_path.read_text())

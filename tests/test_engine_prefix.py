@@ -38,7 +38,7 @@ def test_common_prefix() -> None:
 def test_multi_turn_resume_pays_for_new_tokens_only(qwen_dir, temperature) -> None:
     sp = SamplingParams(temperature=temperature, max_new_tokens=10, seed=7)
     with EmbeddedEngine(qwen_dir, max_slots=3, max_len=256) as eng:
-        context = prompt(40, seed=1)
+        context, previous_len = prompt(40, seed=1), 0
         for turn in range(4):
             before = eng.stats()["prefill_tokens"]
             res = eng.generate_sync(context, sp)
@@ -67,7 +67,7 @@ def test_greedy_outputs_equal_without_cache(qwen_dir) -> None:
                 turns.append((res.output_ids, res.logprobs, res.cached_tokens))
                 ctx = ctx + res.output_ids + prompt(5, seed=50 + t)
             outs.append(turns)
-    for (ids_a, lp_a, hit_a), (ids_b, lp_b, hit_b) in zip(*outs, strict=True):
+    for (ids_a, lp_a, _), (ids_b, lp_b, hit_b) in zip(*outs, strict=True):
         assert ids_a == ids_b and hit_b == 0
         torch.testing.assert_close(torch.tensor(lp_a), torch.tensor(lp_b), atol=1e-4, rtol=0)
     assert [hit for _, _, hit in outs[0]][1:] == [27, 40]

@@ -47,8 +47,9 @@ def sample_batch(
     The log-prob is that of the tempered, untruncated distribution (greedy rows: plain ``log_softmax``).
     """
     logp = behaviour_logprobs(logits, [p.temperature for p in params])
-    out: list[tuple[int, float]] = []
+    tokens = logits.argmax(dim=-1)  # greedy rows; sampled rows are replaced below
     for i, (p, g) in enumerate(zip(params, generators, strict=True)):
-        tok = int(logits[i].argmax()) if p.temperature == 0 else sample_token(logp[i], p, g)
-        out.append((tok, float(logp[i, tok])))
-    return out
+        if p.temperature != 0:
+            tokens[i] = sample_token(logp[i], p, g)
+    picked = logp.gather(1, tokens[:, None])[:, 0]
+    return list(zip(tokens.tolist(), picked.tolist(), strict=True))

@@ -1,0 +1,233 @@
+"""Embedded engine vs Hugging Face ``generate``, side by side in one process at equal thread count.
+
+On the demo-size model (made locally, random weights): decode tokens/s at batch 1, 8, 32, 64 (greedy, forced to
+128 new tokens, HF with sdpa attention, KV cache and returned scores), a mixed-length workload (prompts 16-512
+tokens, outputs 8-256; HF runs it in static batches, the engine with continuous batching), the cost of resuming a
+multi-turn episode at 1k tokens of context with and without the prefix cache, and each engine's peak memory (RSS
+growth over the phase). Writes ``benchmarks/results/engine.json`` and ``engine.png``.
+
+    .venv/bin/python benchmarks/engine.py --quick      # CI size (< 2 min on one core)
+    .venv/bin/python benchmarks/engine.py              # full
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentflow.engine.embedded import EmbeddedEngine
+from agentflow.model_init import ModelInitConfig, init_model
+from agentflow.types import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+NEW_TOKENS = 128
+
+
+class PeakRSS:
+    """Peak resident memory growth (bytes) while the block runs, sampled every 5 ms."""
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def growth_mb(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def hf_generate(hf: Any, batch: list[list[int]], new_tokens: int) -> int:
+    """Left-padded static batch, forced to ``new_tokens``; returns generated tokens."""
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    return (out.sequences.shape[1] - width) * len(batch)
+
+
+def engine_batch(eng: EmbeddedEngine, batch: list[list[int]], new_tokens: list[int]) -> int:
+    pairs = zip(batch, new_tokens, strict=True)
+    futs = [eng.submit(p, SamplingParams(temperature=0.0, max_new_tokens=n)) for p, n in pairs]
+    return sum(len(f.result().output_ids) for f in futs)
+
+
+def timed(fn: Callable[[], int]) -> tuple[float, float, float]:
+    """(tokens/s, seconds, peak RSS growth MB) of one call returning a token count."""
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        tokens = fn()
+        dt = time.perf_counter() - t0
+    return tokens / dt, dt, mem.growth_mb
+
+
+def decode_throughput(hf: Any, eng: EmbeddedEngine, batches: list[int], vocab: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"hf": {}, "embedded": {}, "hf_peak_mb": 0.0, "embedded_peak_mb": 0.0}
+    hf_generate(hf, prompts(1, 16, 0, vocab), 8)  # warm-up
+    engine_batch(eng, prompts(1, 16, 0, vocab), [8])
+    for b in batches:
+        ps = prompts(b, 16, b, vocab)
+        tps, _, mb = timed(lambda ps=ps: hf_generate(hf, ps, NEW_TOKENS))
+        out["hf"][str(b)] = round(tps, 1)
+        out["hf_peak_mb"] = max(out["hf_peak_mb"], round(mb, 1))
+        tps, _, mb = timed(lambda ps=ps, b=b: engine_batch(eng, ps, [NEW_TOKENS] * b))
+        out["embedded"][str(b)] = round(tps, 1)
+        out["embedded_peak_mb"] = max(out["embedded_peak_mb"], round(mb, 1))
+        print(f"batch {b}: HF {out['hf'][str(b)]} tok/s, embedded {out['embedded'][str(b)]} tok/s", flush=True)
+    return out
+
+
+def mixed_workload(hf: Any, eng: EmbeddedEngine, n: int, vocab: int, max_batch: int) -> dict[str, Any]:
+    rng = random.Random(0)
+    lengths = [(rng.randint(16, 512), rng.randint(8, 256)) for _ in range(n)]
+    ps = [prompts(1, p, i, vocab)[0] for i, (p, _) in enumerate(lengths)]
+    outs = [o for _, o in lengths]
+
+    def hf_run() -> int:  # static batches: each runs as long as its longest output; only wanted tokens count
+        for i in range(0, n, max_batch):
+            hf_generate(hf, ps[i : i + max_batch], max(outs[i : i + max_batch]))
+        return sum(outs)
+
+    hf_tps, hf_s, _ = timed(hf_run)
+    eng_tps, eng_s, _ = timed(lambda: engine_batch(eng, ps, outs))
+    print(f"mixed ({n} requests): HF {hf_tps:.0f} tok/s, embedded {eng_tps:.0f} tok/s", flush=True)
+    return {"requests": n, "hf_tokens_per_s": round(hf_tps, 1), "embedded_tokens_per_s": round(eng_tps, 1)} | {
+        "hf_seconds": round(hf_s, 2),
+        "embedded_seconds": round(eng_s, 2),
+    }
+
+
+def resume_cost(model_dir: Path, vocab: int, repeats: int) -> dict[str, Any]:
+    """Turn 2 of an episode at 1k tokens of context (1000-token turn 1, 16 sampled, 16 new env tokens), prefix
+    cache on vs off: the resume cost (time to the first new token) and the whole turn (16 tokens generated)."""
+    out: dict[str, Any] = {"context_tokens": 1000 + 16 + 16}
+    for cache, tag in ((True, "with_cache"), (False, "without_cache")):
+        with EmbeddedEngine(model_dir, max_slots=4, max_len=1200, prefix_cache=cache) as eng:
+            ttft, turn = [], []
+            for r in range(repeats):
+                ctx = prompts(1, 1000, 100 + r, vocab)[0]
+                first = eng.generate_sync(ctx, SamplingParams(temperature=0.0, max_new_tokens=16))
+                nxt = ctx + first.output_ids + prompts(1, 16, 200 + r, vocab)[0]
+                for n, times in ((1, ttft), (16, turn)):
+                    t0 = time.perf_counter()
+                    res = eng.generate_sync(nxt, SamplingParams(temperature=0.0, max_new_tokens=n))
+                    times.append(time.perf_counter() - t0)
+                    eng.generate_sync(ctx, SamplingParams(temperature=0.0, max_new_tokens=16))  # restore the slot
+            out[f"{tag}_s"] = round(min(ttft), 4)
+            out[f"{tag}_turn_s"] = round(min(turn), 4)
+            out[f"{tag}_cached_tokens"] = res.cached_tokens
+    print(f"resume at 1k: {out}", flush=True)
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    batches = list(result["decode"]["hf"])
+    x = range(len(batches))
+    a.bar([i - 0.2 for i in x], [result["decode"]["hf"][k] for k in batches], 0.4, label="HF generate")
+    a.bar([i + 0.2 for i in x], [result["decode"]["embedded"][k] for k in batches], 0.4, label="embedded")
+    a.set_xticks(list(x), batches)
+    a.set(xlabel="batch", ylabel="tokens/s", title=f"decode, {NEW_TOKENS} new tokens, {result['threads']} thread(s)")
+    a.legend()
+    r = result["prefix_cache"]
+    m = result["mixed"]
+    b.bar(["resume: no cache", "resume: prefix cache"], [r["without_cache_s"], r["with_cache_s"]])
+    b.set(
+        ylabel="seconds",
+        title=f"1k-context resume ({result['prefix_cache_speedup_1k']:.1f}x); mixed: "
+        f"{m['embedded_tokens_per_s'] / m['hf_tokens_per_s']:.1f}x HF",
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CI size: fewer mixed requests and resume repeats")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", help="HF model directory (default: a fresh demo-size model in a temp dir)")
+    ap.add_argument("--out", default=str(RESULTS / "engine.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else init_model(Path(tmp) / "demo", ModelInitConfig())
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+        vocab = hf.config.vocab_size
+        batches = [1, 8, 32, 64]
+        with EmbeddedEngine(model_dir, max_slots=64, max_len=800) as eng:
+            decode = decode_throughput(hf, eng, batches, vocab)
+            mixed = mixed_workload(hf, eng, 16 if args.quick else 64, vocab, 32)
+            kv_mb = eng.cache.nbytes() / 2**20
+        prefix = resume_cost(model_dir, vocab, 1 if args.quick else 3)
+    result = {
+        "quick": args.quick,
+        "threads": args.threads,
+        "new_tokens": NEW_TOKENS,
+        "decode": decode,
+        "speedup_vs_hf_b32": round(decode["embedded"]["32"] / decode["hf"]["32"], 2),
+        "mixed": mixed,
+        "prefix_cache": prefix,
+        "prefix_cache_speedup_1k": round(prefix["without_cache_s"] / prefix["with_cache_s"], 2),
+        "peak_memory_mb": {
+            "hf": decode["hf_peak_mb"],
+            "embedded": round(decode["embedded_peak_mb"] + kv_mb, 1),
+            "embedded_kv_cache_preallocated": round(kv_mb, 1),
+            "note": "RSS growth during the decode phase; the embedded engine's preallocated KV cache is added",
+        },
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps({k: result[k] for k in ("speedup_vs_hf_b32", "prefix_cache_speedup_1k")}))
+
+
+if __name__ == "__main__":
+    main()
