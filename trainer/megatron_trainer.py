@@ -85,13 +85,16 @@ class MegatronTrainer:
         adv = group_advantages([s.reward for s in samples], [s.group_id or s.sample_id for s in samples])
         if loss == "sft":
             adv = [0.0] * len(samples)
-        batches = make_micro_batches(samples, adv, self.settings.micro_batch_tokens)
-        denom = float(max(sum(b.num_tokens for b in batches), 1))
+        mine, my_adv = self._dp_shard(samples, adv)
+        batches = make_micro_batches(mine, my_adv, self.settings.micro_batch_tokens)
+        denom = float(max(self._dp_sum(sum(b.num_tokens for b in batches)), 1))  # global token count
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for mb in batches:
             for k, v in self._micro_step(mb, loss, denom).items():
                 sums[k] = sums.get(k, 0.0) + v
+        self._dp_allreduce_grads()
+        sums = {k: self._dp_sum(v) for k, v in sums.items()}
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -108,6 +111,18 @@ class MegatronTrainer:
             train_s=time.perf_counter() - t0,
         )
         return metrics
+
+    # -- data parallelism (world size 1 here: identity; the parallel trainer group overrides these) -----------------
+    def _dp_shard(self, samples: list[Sample], adv: list[float]) -> tuple[list[Sample], list[float]]:
+        """This DP rank's share of the batch (disjoint across ranks)."""
+        return samples, adv
+
+    def _dp_sum(self, value: float) -> float:
+        """Sum of ``value`` over DP ranks."""
+        return value
+
+    def _dp_allreduce_grads(self) -> None:
+        """Sum gradients over DP ranks (each rank's loss is already divided by the global token count)."""
 
     def _micro_step(self, mb: MicroBatch, loss: str, denom: float) -> dict[str, float]:
         temperature = 1.0 if loss == "sft" else self.settings.temperature
