@@ -38,7 +38,33 @@ def _parser() -> argparse.ArgumentParser:
 
     envs_p = sub.add_parser("envs", help="environment registry").add_subparsers(dest="envs_cmd", required=True)
     envs_p.add_parser("list", help="list registered environment ids")
+    check = envs_p.add_parser("check", help="run gymnasium check_env + async conformance on an environment")
+    check.add_argument("env_id")
+    check.add_argument("--seed", type=int, default=7)
+    play = envs_p.add_parser("play", help="play an episode: type canonical JSON actions (or a bare answer) per line")
+    play.add_argument("env_id")
+    play.add_argument("--seed", type=int, default=0)
+    play.add_argument("--split", default="train")
+    play.add_argument("--task-set", default=None)
     return p
+
+
+def _run_envs(args: argparse.Namespace) -> int:
+    import envs
+
+    if args.envs_cmd == "check":
+        from envs.console import check
+
+        check(args.env_id, seed=args.seed)
+        return 0
+    if args.envs_cmd == "play":
+        from envs.console import play
+
+        play(args.env_id, seed=args.seed, split=args.split, task_set=args.task_set)
+        return 0
+    for env_id in envs.list_envs():
+        print(env_id)
+    return 0
 
 
 def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -72,11 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         serve(args.model_dir, args.host, args.port, key, args.max_slots, args.max_len, args.seed)
         return 0
     if args.cmd == "envs":
-        import envs
-
-        for env_id in envs.list_envs():
-            print(env_id)
-        return 0
+        return _run_envs(args)
     from agentflow.config import load_config
 
     config, overrides = _split_config(args)

@@ -92,15 +92,37 @@ class TrainerConfig(Section):
     """Linear warm-up steps of the LR schedule."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
-    loss: Literal["grpo", "sft"] = "grpo"
-    """Policy loss."""
+    loss: Literal["grpo", "dapo", "gspo", "sft"] = "grpo"
+    """Policy loss (trainer/losses.py documents each): token-level GRPO, DAPO (GRPO's loss; pair it with
+    ``clip_high > clip_low``), GSPO (sequence-level ratios), or SFT."""
     drop_uniform_groups: bool = True
     """DAPO's dynamic sampling: leave out groups whose rewards are all equal (their GRPO advantage is zero), so they
     cost no trainer time and do not dilute the token-level average. A batch with none left is a no-op step."""
-    clip_eps: float = Field(0.2, gt=0)
-    """PPO-style ratio clip."""
-    tis_cap: float = Field(2.0, gt=0)
-    """Cap C of truncated importance sampling weights min(pi_old / pi_behaviour, C)."""
+    clip_low: float = Field(0.2, ge=0)
+    """Ratio clip below 1 (PPO's epsilon)."""
+    clip_high: float = Field(0.2, ge=0)
+    """Ratio clip above 1 (DAPO's clip-higher uses 0.28)."""
+    off_policy: Literal["none", "tis", "mis", "seq_tis", "seq_mis"] = "tis"
+    """Correction against the engine's behaviour log-probs: token truncated IS, token masking, or sequence level."""
+    is_cap: float = Field(2.0, gt=0)
+    """Upper cap C of importance weights (truncation) or of the kept range (masking)."""
+    is_low: float = Field(0.5, ge=0)
+    """Lower end of the kept range for masking modes."""
+    recompute_old: bool = False
+    """Recompute old log-probs with a no-grad pass before the update; otherwise the current ones (one update per
+    batch) or the behaviour ones (several updates)."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per RL step (the batch split in order)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL to the reference policy (the initial weights, scored by a reference engine)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus weight (needs rollout temperature 1)."""
+    turn_credit: bool = False
+    """Turn-level credit: per-turn returns, updates in reverse turn order (after RTPO)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of per-turn returns."""
     micro_batch_tokens: int = Field(4096, ge=64)
     """Token budget of one padded micro-batch (gradient accumulation across micro-batches)."""
     seed: int = 0

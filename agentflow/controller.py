@@ -38,6 +38,7 @@ async def rl_loop(
     cfg: Any,
     log: MetricsLogger,
     trainer_busy: BusyTracker,
+    ref_engine: InferenceEngine | None = None,
 ) -> LoopResult:
     sync = cfg.run.mode == "sync"
     sampling = SamplingParams(
@@ -51,6 +52,8 @@ async def rl_loop(
         for step in log.progress(range(cfg.run.steps), desc=f"RL ({cfg.run.mode})"):
             batch = await _next_batch(store, feeder, close_gate=sync)  # B finished groups, within the window
             samples = to_samples(batch, drop_uniform=cfg.trainer.drop_uniform_groups)
+            if ref_engine is not None:  # KL to the reference policy, scored by a never-updated engine
+                await asyncio.to_thread(score_reference, ref_engine, samples)
             trainer_busy.enter()
             metrics = await asyncio.to_thread(trainer.train_step, samples, cfg.trainer.loss)  # rollouts go on
             version, sync_s = await sync_weights(trainer, engine)  # TransferMesh: trainer -> engine
@@ -106,10 +109,22 @@ def to_samples(groups: list[Group], drop_uniform: bool = False) -> list[Sample]:
             continue
         for t in scored:
             for i, seg in enumerate(t.segments):
-                out.append(Sample(seg.token_ids, seg.loss_mask, seg.logprobs, t.reward, g.id, f"{t.id}/{i}"))
+                sample = Sample(seg.token_ids, seg.loss_mask, seg.logprobs, t.reward, g.id, f"{t.id}/{i}")
+                turns = [turn for turn in t.turns if turn.segment == i]
+                sample.turn_spans = [tuple(turn.span) for turn in turns]
+                sample.turn_rewards = [turn.reward for turn in turns]
+                if sample.turn_rewards and i == len(t.segments) - 1:
+                    sample.turn_rewards[-1] = t.reward  # the episode's reward belongs to its last turn
+                out.append(sample)
     if not out and not drop_uniform:
         raise RuntimeError(f"no trainable trajectories in a batch of {len(groups)} groups (all errored or aborted)")
     return out
+
+
+def score_reference(ref_engine: InferenceEngine, samples: list[Sample]) -> None:
+    """Reference log-prob of every token given its prefix (position 0 has none), via the engine's ``score``."""
+    for s in samples:
+        s.ref_logprobs = [0.0] + list(ref_engine.score(s.token_ids, 1).logprobs)
 
 
 def batch_metrics(groups: list[Group]) -> dict[str, float]:

@@ -22,6 +22,29 @@ class JobError(RuntimeError):
     """A job cannot start; the message says what to fix."""
 
 
+_LOSS_FIELDS = ("clip_low", "clip_high", "off_policy", "is_cap", "is_low", "recompute_old", "minibatches", "kl_coef",
+                "kl_estimator", "entropy_coef", "turn_credit", "gamma")  # fmt: skip
+
+
+def trainer_settings(cfg: JobConfig) -> Any:
+    """The trainer's settings from the job config (the trainer does not import agentflow's config)."""
+    from trainer.types import LossSettings, TrainerSettings
+
+    t = cfg.trainer
+    loss = LossSettings(name=t.loss, **{k: getattr(t, k) for k in _LOSS_FIELDS})
+    return TrainerSettings(
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_steps,
+        grad_clip=t.grad_clip,
+        loss=loss,
+        micro_batch_tokens=t.micro_batch_tokens,
+        seed=t.seed,
+        threads=cfg.run.threads,
+        temperature=cfg.rollout.temperature or 1.0,
+    )
+
+
 def ensure_model(cfg: JobConfig) -> Path:
     """The base model directory; create the small demo model there when allowed and missing."""
     path = Path(cfg.model.path)
@@ -104,13 +127,8 @@ def run_job(cfg: JobConfig, log=print) -> dict[str, Any]:
 async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str, Any]:
     from agentflow.engine.factory import make_engine
     from trainer.launcher import LocalTrainerGroup
-    from trainer.types import TrainerSettings
 
-    settings = TrainerSettings(
-        **cfg.trainer.model_dump(exclude={"loss", "drop_uniform_groups"}),
-        threads=cfg.run.threads,
-        temperature=cfg.rollout.temperature or 1.0,
-    )
+    settings = trainer_settings(cfg)
     trainer = await asyncio.to_thread(LocalTrainerGroup, policy_dir, settings)
     engine = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed)
     pool = EnvPool(cfg.env.id, cfg.env.kwargs)
@@ -124,7 +142,12 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str,
         scripted = await asyncio.to_thread(scripted_success, cfg, eval_seeds)
         before = success_summary(await rollouts.evaluate(eval_seeds, cfg.rollout.max_new_tokens))
         log(f"before RL: success {before['success']:.3f} {before['per_type']} (scripted {scripted['success']:.3f})")
-        result = await rl_loop(rollouts, store, trainer, engine, cfg, metrics, trainer_busy)
+        ref = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed) if cfg.trainer.kl_coef > 0 else None
+        try:
+            result = await rl_loop(rollouts, store, trainer, engine, cfg, metrics, trainer_busy, ref)
+        finally:
+            if ref is not None:
+                ref.close()
         after = success_summary(await rollouts.evaluate(eval_seeds, cfg.rollout.max_new_tokens))
         log(f"after RL:  success {after['success']:.3f} {after['per_type']}")
         await asyncio.to_thread(

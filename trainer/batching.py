@@ -16,11 +16,15 @@ from trainer.types import Sample
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [b, s] long
-    target_mask: torch.Tensor  # [b, s-1] float, 1 where the target token is a model token
+    target_mask: torch.Tensor  # [b, s-1] float, 1 where the target token is trained in this phase
     behaviour_logprobs: torch.Tensor  # [b, s-1]
     advantages: torch.Tensor  # [b, s-1]
     lengths: torch.Tensor  # [b] true row lengths
     num_tokens: int
+    rows: list[int]
+    """Index of each row's sample in the list given to :func:`make_micro_batches`."""
+    old_logprobs: torch.Tensor | None = None  # [b, s-1], when recomputed before the update
+    ref_logprobs: torch.Tensor | None = None  # [b, s-1], when every sample carries them
 
     def attention_mask(self) -> torch.Tensor:
         """[b, s] ones over each row's real tokens, zeros over right padding."""
@@ -28,36 +32,63 @@ class MicroBatch:
 
 
 def make_micro_batches(
-    samples: list[Sample], advantages: list[float], token_budget: int, pad_id: int = 0
+    samples: list[Sample],
+    advantages: list[float] | list[list[float]],
+    token_budget: int,
+    masks: list[list[int]] | None = None,
+    old: list[list[float]] | None = None,
+    pad_id: int = 0,
 ) -> list[MicroBatch]:
-    """Pack samples (longest first) into micro-batches whose padded size ``rows * max_len`` fits the budget."""
+    """Pack samples (longest first) into micro-batches whose padded size ``rows * max_len`` fits the budget.
+
+    ``advantages``: one float per sample or one per token; ``masks`` restrict which tokens train (default: each
+    sample's loss mask); ``old``: per-token old log-probs aligned with ``token_ids``.
+    """
     if len(samples) != len(advantages):
-        raise ValueError("one advantage per sample")
+        raise ValueError("one advantage (or advantage list) per sample")
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i].token_ids))
-    batches, current = [], []
+    groups, current = [], []
     for i in order:
         longest = len(samples[current[0]].token_ids) if current else len(samples[i].token_ids)
         if current and (len(current) + 1) * longest > token_budget:
-            batches.append(current)
+            groups.append(current)
             current = []
         current.append(i)
     if current:
-        batches.append(current)
-    return [_collate([samples[i] for i in b], [advantages[i] for i in b], pad_id) for b in batches]
+        groups.append(current)
+    return [_collate(samples, g, advantages, masks, old, pad_id) for g in groups]
 
 
-def _collate(samples: list[Sample], advantages: list[float], pad_id: int) -> MicroBatch:
-    s = max(len(x.token_ids) for x in samples)
-    b = len(samples)
+def _row(values: list[float], n: int) -> torch.Tensor:
+    return torch.tensor(values[1:n], dtype=torch.float32)
+
+
+def _collate(samples, rows, advantages, masks, old, pad_id) -> MicroBatch:
+    s = max(len(samples[i].token_ids) for i in rows)
+    b = len(rows)
     ids = torch.full((b, s), pad_id, dtype=torch.long)
-    mask = torch.zeros(b, s - 1)
-    behav = torch.zeros(b, s - 1)
-    adv = torch.zeros(b, s - 1)
-    for r, (x, a) in enumerate(zip(samples, advantages, strict=True)):
-        n = len(x.token_ids)
+    arrays = {k: torch.zeros(b, s - 1) for k in ("mask", "behav", "adv", "old", "ref")}
+    with_ref = all(samples[i].ref_logprobs is not None for i in rows)
+    for r, i in enumerate(rows):
+        x, n = samples[i], len(samples[i].token_ids)
         ids[r, :n] = torch.tensor(x.token_ids)
-        mask[r, : n - 1] = torch.tensor(x.loss_mask[1:], dtype=torch.float32)
-        behav[r, : n - 1] = torch.tensor(x.behaviour_logprobs[1:], dtype=torch.float32)
-        adv[r, : n - 1] = a
-    lengths = torch.tensor([len(x.token_ids) for x in samples])
-    return MicroBatch(ids, mask, behav, adv * mask, lengths, int(mask.sum().item()))
+        adv = advantages[i] if isinstance(advantages[i], list) else [advantages[i]] * n
+        arrays["mask"][r, : n - 1] = _row(masks[i] if masks is not None else x.loss_mask, n)
+        arrays["behav"][r, : n - 1] = _row(x.behaviour_logprobs, n)
+        arrays["adv"][r, : n - 1] = _row(adv, n)
+        if old is not None:
+            arrays["old"][r, : n - 1] = _row(old[i], n)
+        if with_ref:
+            arrays["ref"][r, : n - 1] = _row(x.ref_logprobs, n)
+    mask = arrays["mask"]
+    return MicroBatch(
+        input_ids=ids,
+        target_mask=mask,
+        behaviour_logprobs=arrays["behav"],
+        advantages=arrays["adv"] * mask,
+        lengths=torch.tensor([len(samples[i].token_ids) for i in rows]),
+        num_tokens=int(mask.sum().item()),
+        rows=list(rows),
+        old_logprobs=arrays["old"] if old is not None else None,
+        ref_logprobs=arrays["ref"] if with_ref else None,
+    )

@@ -1,25 +1,39 @@
-"""Advantage estimation and the policy losses.
+"""Advantage estimation and the policy-loss family. Every tensor is ``[batch, seq]`` aligned with target tokens.
 
-GRPO, as we implement it (departures from the paper, Shao et al. 2024):
+How each departs from its paper:
 
-* Advantages are group-normalised outcome rewards, ``A_i = (r_i - mean(r)) / (std(r) + eps)`` with the *population*
-  std of the group; every model token of a sample gets its sample's advantage.
-* Token-level averaging (as DAPO argues): the loss is summed over every model token of the whole batch and divided by
-  the batch's model-token count, not averaged per sequence first. Micro-batches pass the global count as ``denom``.
-* No KL term in the loss (the reference-KL belongs to a later issue); the PPO-style ratio is taken against
-  ``old_logprobs`` (the trainer's own log-probs before the update; with one optimizer step per batch they equal the
-  current ones detached, so the ratio is 1 and the clip is inactive).
-* Off-policy correction (asynchronous rollouts): each token's loss is multiplied by a truncated importance weight
-  ``min(pi_old / pi_behaviour, C)`` (detached), where ``pi_behaviour`` is the engine's log-prob when it sampled it.
-* Metric ``is_approx_k3_kl``: the k3 estimator of KL(behaviour || old), ``mean(r - 1 - log r)`` with
-  ``r = pi_old / pi_behaviour`` over model tokens: how far the engine's policy drifted from the trainer's.
+* **GRPO** (Shao et al. 2024): advantages are group-normalised outcome rewards ``(r - mean) / (std + eps)`` with the
+  population std; a group with equal rewards gets zeros. No KL in the reward; the KL to a reference is an optional
+  loss term (``kl_coef``). Token-level averaging (as DAPO argues): the loss is summed over all model tokens of the
+  whole batch and divided by the batch's model-token count, not averaged per sequence first.
+* **DAPO** (Yu et al. 2025) is GRPO plus asymmetric clipping (``clip_high > clip_low``, "clip-higher") and dynamic
+  sampling (groups with zero reward variance are left out by the controller, ``drop_uniform_groups``); we do not
+  over-sample to refill the batch, and we apply no overlong-reward shaping.
+* **GSPO** (Zheng et al. 2025): the ratio is per sequence, the geometric mean ``exp(mean_t(logp - old))`` over the
+  sequence's model tokens, clipped per sequence; the loss is the mean over sequences. Off-policy correction for GSPO
+  uses sequence-level weights.
+* **Off-policy corrections** against the engine's behaviour log-probs (asynchronous rollouts): token-level truncated
+  IS ``min(r, C)`` (``tis``), token masking ``[low <= r <= C]`` (``mis``), sequence-level truncated IS of the product
+  of ratios (``seq_tis``) or sequence masking on the geometric mean (``seq_mis``), with ``r = pi_old / pi_behaviour``.
+  ``old`` is the trainer's own log-probs before the update: recomputed by a no-grad pass (``recompute_old``), or, with
+  one update per batch, the current log-probs detached (identical values, one pass fewer).
+* **KL to a reference** through engine scoring: ``k1 = logp - ref``, ``k2 = (logp - ref)^2 / 2``,
+  ``k3 = exp(ref - logp) - 1 - (ref - logp)``, each per token with the same token-level averaging.
+* **Entropy bonus**: ``- entropy_coef * H`` per token.
+* **Turn-level credit** (after RTPO): per-turn returns ``G_k = sum_{j >= k} gamma^(j-k) r_j`` normalised within the
+  group at each turn index; the trainer updates turn by turn in reverse order (last turn first), one optimizer step
+  per turn index. Our departure: turns are aligned by index across a group's trajectories, not by state.
+* Metric ``is_approx_k3_kl``: the k3 estimate of KL(behaviour || old), ``mean(r - 1 - log r)`` over model tokens.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
+
+from trainer.types import LossSettings, Sample
 
 
 def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e-6) -> list[float]:
@@ -37,40 +51,170 @@ def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e
     return adv
 
 
-def grpo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    denom: float,
-    clip_eps: float = 0.2,
-    tis_cap: float = 2.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-level clipped policy-gradient loss with truncated IS; all tensors ``[batch, seq]``.
+def turn_returns(rewards: list[float], gamma: float) -> list[float]:
+    """Discounted reward-to-go of each turn."""
+    out, g = [0.0] * len(rewards), 0.0
+    for k in range(len(rewards) - 1, -1, -1):
+        g = rewards[k] + gamma * g
+        out[k] = g
+    return out
 
-    Returns the loss (sum over masked tokens / ``denom``) and summed metrics (divide by the token count).
-    """
-    mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    pg = -torch.minimum(unclipped, clipped)
-    log_is = (old_logprobs - behaviour_logprobs).detach()
-    is_w = torch.exp(log_is)
-    tis = torch.clamp(is_w, max=tis_cap)
-    loss = (tis * pg * mask).sum() / denom
-    with torch.no_grad():
-        metrics = {
-            "is_approx_k3_kl": ((is_w - 1 - log_is) * mask).sum(),
-            "tis_mean": (tis * mask).sum(),
-            "tis_truncated_frac": ((is_w > tis_cap).to(mask.dtype) * mask).sum(),
-            "clip_frac": (((ratio - 1).abs() > clip_eps).to(mask.dtype) * mask).sum(),
-            "logprob_abs_diff": ((old_logprobs - behaviour_logprobs).abs() * mask).sum(),
-        }
-    return loss, metrics
+
+@dataclass
+class AdvantagePlan:
+    """Per-token advantages of every sample and the update phases (token masks per sample, in update order)."""
+
+    advantages: list[list[float]]
+    phases: list[list[list[int]]]
+    """``phases[p][i]``: which tokens of sample ``i`` phase ``p`` trains (one full-mask phase without turn credit)."""
+
+
+def plan_advantages(samples: list[Sample], cfg: LossSettings) -> AdvantagePlan:
+    if cfg.name == "sft":
+        return AdvantagePlan([[0.0] * len(s.token_ids) for s in samples], [[list(s.loss_mask) for s in samples]])
+    gids = [s.group_id or s.sample_id for s in samples]
+    if not cfg.turn_credit:
+        adv = group_advantages([s.reward for s in samples], gids)
+        return AdvantagePlan([[a] * len(s.token_ids) for a, s in zip(adv, samples, strict=True)], [_full(samples)])
+    return _turn_plan(samples, gids, cfg.gamma)
+
+
+def _full(samples: list[Sample]) -> list[list[int]]:
+    return [list(s.loss_mask) for s in samples]
+
+
+def _turn_plan(samples: list[Sample], gids: list[str], gamma: float) -> AdvantagePlan:
+    """Per-turn returns normalised within (group, turn index); phases from the last turn index to the first."""
+    spans = [s.turn_spans or [(0, len(s.token_ids))] for s in samples]
+    rewards = [s.turn_rewards or ([0.0] * (len(sp) - 1) + [s.reward]) for s, sp in zip(samples, spans, strict=True)]
+    returns = [turn_returns(r, gamma) for r in rewards]
+    keys, values = [], []
+    for i, rets in enumerate(returns):
+        for k, g in enumerate(rets):
+            keys.append(f"{gids[i]}#{k}")
+            values.append(g)
+    flat = iter(group_advantages(values, keys))
+    advs = [[0.0] * len(s.token_ids) for s in samples]
+    depth = max(len(sp) for sp in spans)
+    phases = [[[0] * len(s.token_ids) for s in samples] for _ in range(depth)]
+    for i, sp in enumerate(spans):
+        for k, (a, b) in enumerate(sp):
+            value = next(flat)
+            for t in range(a, b):
+                advs[i][t] = value
+                phases[depth - 1 - k][i][t] = samples[i].loss_mask[t]
+    return AdvantagePlan(advs, phases)
+
+
+def off_policy_weights(
+    old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, cfg: LossSettings
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Detached importance weights ``[b, s]`` correcting for the engine's (behaviour) policy, plus summed metrics."""
+    log_r = ((old - behaviour) * mask).detach()
+    r = torch.exp(log_r)
+    metrics = {"is_approx_k3_kl": ((r - 1 - log_r) * mask).sum(), "logprob_abs_diff": (log_r.abs() * mask).sum()}
+    mode = cfg.off_policy
+    if mode == "none":
+        w = torch.ones_like(r)
+    elif mode == "tis":
+        w = torch.clamp(r, max=cfg.is_cap)
+    elif mode == "mis":
+        w = ((r >= cfg.is_low) & (r <= cfg.is_cap)).to(r.dtype)
+    elif mode in ("seq_tis", "seq_mis"):
+        seq_log = log_r.sum(-1, keepdim=True)
+        if mode == "seq_tis":
+            w = torch.clamp(torch.exp(seq_log), max=cfg.is_cap).expand_as(r)
+        else:
+            mean_log = seq_log / mask.sum(-1, keepdim=True).clamp(min=1)
+            geo = torch.exp(mean_log)
+            w = ((geo >= cfg.is_low) & (geo <= cfg.is_cap)).to(r.dtype).expand_as(r)
+    else:
+        raise ValueError(f"unknown off_policy mode {mode!r}")
+    metrics["is_weight_mean"] = (w * mask).sum()
+    metrics["is_weight_zero_frac"] = ((w == 0).to(r.dtype) * mask).sum()
+    return w, metrics
+
+
+def ppo_token_loss(
+    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate ``-min(r A, clip(r, 1-lo, 1+hi) A)`` and whether the clip was active."""
+    ratio = torch.exp(logp - old)
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = -torch.minimum(ratio * adv, clipped * adv)
+    return loss, ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)).detach()
+
+
+def gspo_sequence_loss(
+    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence GSPO loss ``[b]`` with the geometric-mean ratio, and whether each sequence was clipped."""
+    n = mask.sum(-1).clamp(min=1)
+    seq_ratio = torch.exp(((logp - old) * mask).sum(-1) / n)
+    seq_adv = (adv * mask).sum(-1) / n  # every token of a sequence carries the sequence's advantage
+    clipped = torch.clamp(seq_ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = -torch.minimum(seq_ratio * seq_adv, clipped * seq_adv)
+    return loss, ((seq_ratio < 1.0 - clip_low) | (seq_ratio > 1.0 + clip_high)).detach()
+
+
+def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled by pi."""
+    d = logp - ref
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        return torch.exp(-d) - 1 + d
+    raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, denom: float) -> torch.Tensor:
     """Negative log-likelihood of the model tokens, summed and divided by ``denom`` (token-level mean)."""
     return -(logprobs * mask.to(logprobs.dtype)).sum() / denom
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch's tensors for :func:`policy_loss` (all ``[b, s-1]``; ``ref``/``entropy`` optional)."""
+
+    logp: torch.Tensor
+    old: torch.Tensor
+    behaviour: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    ref: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+
+
+def policy_loss(
+    x: LossInputs, cfg: LossSettings, denom_tokens: float, denom_seqs: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The configured objective for one micro-batch; metrics are sums (divide by the global token count)."""
+    mask = x.mask.to(x.logp.dtype)
+    w, metrics = off_policy_weights(x.old, x.behaviour, mask, cfg)
+    if cfg.name == "gspo":
+        seq_w = (w * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        seq_loss, clipped = gspo_sequence_loss(x.logp, x.old, x.advantages, mask, cfg.clip_low, cfg.clip_high)
+        has = (mask.sum(-1) > 0).to(mask.dtype)
+        loss = (seq_w * seq_loss * has).sum() / denom_seqs
+        metrics["clip_frac"] = (clipped.to(mask.dtype)[:, None] * mask).sum()
+    elif cfg.name in ("grpo", "dapo"):
+        tok_loss, clipped = ppo_token_loss(x.logp, x.old, x.advantages, cfg.clip_low, cfg.clip_high)
+        loss = (w * tok_loss * mask).sum() / denom_tokens
+        metrics["clip_frac"] = (clipped.to(mask.dtype) * mask).sum()
+    else:
+        raise ValueError(f"unknown policy loss {cfg.name!r}; choose grpo, dapo, gspo or sft")
+    if cfg.kl_coef > 0:
+        if x.ref is None:
+            raise ValueError("kl_coef > 0 needs reference log-probs on every sample (score them with a ref engine)")
+        kl = kl_penalty(x.logp, x.ref, cfg.kl_estimator) * mask
+        loss = loss + cfg.kl_coef * kl.sum() / denom_tokens
+        metrics["kl_ref"] = kl.detach().sum()
+    if cfg.entropy_coef > 0:
+        if x.entropy is None:
+            raise ValueError("entropy_coef > 0 needs per-token entropies")
+        loss = loss - cfg.entropy_coef * (x.entropy * mask).sum() / denom_tokens
+    if x.entropy is not None:
+        metrics["entropy"] = (x.entropy.detach() * mask).sum()
+    return loss, metrics

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from trainer.batching import MicroBatch, make_micro_batches
-from trainer.losses import group_advantages, grpo_loss, sft_loss
+from trainer.losses import LossInputs, plan_advantages, policy_loss, sft_loss
 from trainer.model import (
     build_gpt_model,
     export_hf_state,
@@ -27,8 +28,9 @@ from trainer.model import (
     load_into_model,
     save_hf_dir,
     token_logprobs,
+    token_logprobs_and_entropy,
 )
-from trainer.types import Sample, TrainerSettings
+from trainer.types import LossSettings, Sample, TrainerSettings
 from transfer_mesh.buckets import Bucket, pack_version
 
 
@@ -68,49 +70,77 @@ class MegatronTrainer:
         self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
 
     # -- training ------------------------------------------------------------------------------------------------
-    def train_step(self, samples: list[Sample], loss: str = "grpo") -> dict[str, float]:
-        """One optimizer step; returns averaged metrics. The version goes up by one.
+    def train_step(self, samples: list[Sample], loss: str | None = None) -> dict[str, float]:
+        """One training step (one weight version): usually one optimizer step, more with minibatches or turn credit.
 
-        No samples (every group of the batch had zero advantage) is a no-op step: the weights stay, the version and
-        the LR schedule still advance, so versions keep counting batches.
+        ``loss`` overrides the configured objective's name (``"sft"`` for warm-up). No samples (every group of the
+        batch had zero advantage) is a no-op step: the weights stay, the version and the LR schedule still advance,
+        so versions keep counting batches.
         """
-        if loss not in ("grpo", "sft"):
-            raise ValueError(f"unknown loss {loss!r}; choose 'grpo' or 'sft'")
+        cfg = self.settings.loss if loss in (None, self.settings.loss.name) else replace(self.settings.loss, name=loss)
         if not samples:
             self.scheduler.step()
             self.version += 1
             self.step += 1
             return {"skipped": 1.0, "samples": 0.0}
         t0 = time.perf_counter()
-        adv = group_advantages([s.reward for s in samples], [s.group_id or s.sample_id for s in samples])
-        if loss == "sft":
-            adv = [0.0] * len(samples)
-        mine, my_adv = self._dp_shard(samples, adv)
-        batches = make_micro_batches(mine, my_adv, self.settings.micro_batch_tokens)
+        plan = plan_advantages(samples, cfg)
+        old = self._old_logprobs(samples) if cfg.recompute_old and cfg.name != "sft" else None
+        single = len(plan.phases) == 1 and cfg.minibatches == 1
+        totals: dict[str, float] = {}
+        updates = 0
+        for phase in plan.phases:
+            for part in _split(len(samples), cfg.minibatches):
+                rows = [(plan.advantages[i], phase[i], old[i] if old else None) for i in part]
+                for k, v in self._update([samples[i] for i in part], rows, cfg, single).items():
+                    totals[k] = totals.get(k, 0.0) + v
+                updates += 1
+        self.version += 1
+        self.step += 1
+        metrics = {k: v / updates for k, v in totals.items()}
+        metrics.update(
+            samples=len(samples),
+            optimizer_steps=updates,
+            adv_abs_mean=float(np.mean([abs(a[0]) for a in plan.advantages])),
+            train_s=time.perf_counter() - t0,
+        )
+        return metrics
+
+    def _update(self, samples: list[Sample], rows: list[tuple], cfg: LossSettings, single: bool) -> dict[str, float]:
+        """One optimizer step over ``samples`` (gradient accumulation across micro-batches)."""
+        mine, my_rows = self._dp_shard(samples, rows)
+        if not mine:
+            my_rows = []
+        adv, masks, old = ([r[k] for r in my_rows] for k in range(3))
+        has_old = bool(old) and old[0] is not None
+        batches = make_micro_batches(mine, adv, self.settings.micro_batch_tokens, masks, old if has_old else None)
         denom = float(max(self._dp_sum(sum(b.num_tokens for b in batches)), 1))  # global token count
+        seqs = float(max(self._dp_sum(sum(int((b.target_mask.sum(-1) > 0).sum()) for b in batches)), 1))
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for mb in batches:
-            for k, v in self._micro_step(mb, loss, denom).items():
+            for k, v in self._micro_step(mb, cfg, denom, seqs, single).items():
                 sums[k] = sums.get(k, 0.0) + v
         self._dp_allreduce_grads()
         sums = {k: self._dp_sum(v) for k, v in sums.items()}
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
-        self.version += 1
-        self.step += 1
         metrics = {k: v / denom for k, v in sums.items()}
-        metrics.update(
-            grad_norm=float(grad_norm),
-            lr=self.scheduler.get_last_lr()[0],
-            tokens=denom,
-            samples=len(samples),
-            micro_batches=len(batches),
-            adv_abs_mean=float(np.mean(np.abs(adv))),
-            train_s=time.perf_counter() - t0,
-        )
+        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], tokens=denom)
+        metrics["micro_batches"] = float(len(batches))
         return metrics
+
+    @torch.no_grad()
+    def _old_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """The trainer's log-probs of every token before the update (aligned with ``token_ids``; position 0 = 0)."""
+        out: list[list[float]] = [[] for _ in samples]
+        zeros = [0.0] * len(samples)
+        for mb in make_micro_batches(samples, zeros, self.settings.micro_batch_tokens):
+            logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature)
+            for r, i in enumerate(mb.rows):
+                out[i] = [0.0] + logp[r, : int(mb.lengths[r]) - 1].tolist()
+        return out
 
     # -- data parallelism (world size 1 here: identity; the parallel trainer group overrides these) -----------------
     def _dp_shard(self, samples: list[Sample], adv: list[float]) -> tuple[list[Sample], list[float]]:
@@ -124,23 +154,25 @@ class MegatronTrainer:
     def _dp_allreduce_grads(self) -> None:
         """Sum gradients over DP ranks (each rank's loss is already divided by the global token count)."""
 
-    def _micro_step(self, mb: MicroBatch, loss: str, denom: float) -> dict[str, float]:
-        temperature = 1.0 if loss == "sft" else self.settings.temperature
-        logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask(), temperature)
-        if loss == "sft":
+    def _micro_step(self, mb: MicroBatch, cfg: LossSettings, denom: float, seqs: float, single: bool) -> dict:
+        if cfg.name == "sft":
+            logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask())
             value = sft_loss(logp, mb.target_mask, denom)
             value.backward()
             return {"loss": float(value.detach()) * denom}
-        value, metrics = grpo_loss(
-            logp,
-            logp.detach(),
-            mb.behaviour_logprobs,
-            mb.advantages,
-            mb.target_mask,
-            denom,
-            clip_eps=self.settings.clip_eps,
-            tis_cap=self.settings.tis_cap,
-        )
+        entropy = None
+        if cfg.entropy_coef > 0:
+            if self.settings.temperature != 1.0:
+                raise ValueError("the entropy bonus is defined at temperature 1; set rollout.temperature=1")
+            logp, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask())
+        else:
+            logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature)
+        if mb.old_logprobs is not None:
+            old = mb.old_logprobs
+        else:  # one update per batch: old == current (detached); several without recompute: the behaviour policy
+            old = logp.detach() if single else mb.behaviour_logprobs
+        x = LossInputs(logp, old, mb.behaviour_logprobs, mb.advantages, mb.target_mask, mb.ref_logprobs, entropy)
+        value, metrics = policy_loss(x, cfg, denom, seqs)
         value.backward()
         out = {k: float(v) for k, v in metrics.items()}
         out["loss"] = float(value.detach()) * denom
@@ -204,3 +236,9 @@ class MegatronTrainer:
         random.setstate(state["rng"]["python"])
         self.step, self.version = state["step"], state["version"]
         return state["extra"]
+
+
+def _split(n: int, parts: int) -> list[list[int]]:
+    """Indices 0..n-1 in ``parts`` contiguous, near-equal chunks (empty chunks dropped)."""
+    size = -(-n // parts)
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]

@@ -22,6 +22,12 @@ class Sample:
     group_id: str = ""
     """Samples with the same group id share a GRPO baseline."""
     sample_id: str = ""
+    ref_logprobs: list[float] | None = None
+    """Reference-policy log-prob of each token given its prefix (position 0 unused), for the KL term."""
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    """[start, end) of each model turn's tokens, for turn-level credit."""
+    turn_rewards: list[float] = field(default_factory=list)
+    """Reward of each turn (the last includes the final reward), for turn-level credit."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,6 +61,39 @@ class TrainerGroup(Protocol):
 
 
 @dataclass
+class LossSettings:
+    """Which objective and which corrections (see trainer/losses.py for each one's departures from its paper)."""
+
+    name: str = "grpo"
+    """grpo | dapo | gspo | sft (dapo = grpo's token loss; set clip_high > clip_low and drop uniform groups)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    off_policy: str = "tis"
+    """none | tis | mis | seq_tis | seq_mis: correction against the behaviour log-probs."""
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    recompute_old: bool = False
+    """Recompute the old log-probs with a no-grad pass before the update (needed when minibatches > 1)."""
+    minibatches: int = 1
+    """Optimizer steps per train_step (per phase); the version still advances by one per train_step."""
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    turn_credit: bool = False
+    gamma: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.name not in ("grpo", "dapo", "gspo", "sft"):
+            raise ValueError(f"unknown loss {self.name!r}; choose grpo, dapo, gspo or sft")
+        if self.off_policy not in ("none", "tis", "mis", "seq_tis", "seq_mis"):
+            raise ValueError(f"unknown off_policy {self.off_policy!r}")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}")
+        if self.minibatches < 1:
+            raise ValueError("minibatches must be >= 1")
+
+
+@dataclass
 class TrainerSettings:
     """Optimisation settings the controller passes down (built from the job config's ``trainer`` section)."""
 
@@ -65,8 +104,7 @@ class TrainerSettings:
     """Cosine decay to ``min_lr_ratio`` of the peak over this many steps after warm-up (0: constant LR)."""
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
-    clip_eps: float = 0.2
-    tis_cap: float = 2.0
+    loss: LossSettings = field(default_factory=LossSettings)
     temperature: float = 1.0
     """Rollout sampling temperature: RL log-probs are taken from logits / temperature, as the engine's are."""
     micro_batch_tokens: int = 4096
