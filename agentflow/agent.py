@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentflow.chat import IM_END, ChatTokenizer, parse_reply
@@ -28,6 +28,12 @@ class EpisodeSpec:
     split: str = "train"
     data_source: str = "default"
     env_id: str = ""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra ``reset`` options (the data source's task set)."""
+    tags: tuple[str, ...] = ()
+    """The data source's tags (what teachers route on)."""
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments the env is made with."""
 
 
 async def run_episode(
@@ -40,7 +46,7 @@ async def run_episode(
 ) -> Trajectory:
     """Play one episode; always returns a trajectory (status says how it ended)."""
     traj = Trajectory(id=spec.traj_id, task_id=f"{spec.split}:{spec.seed}", group_id=spec.group_id, env_id=spec.env_id)
-    traj.data_source = spec.data_source
+    traj.data_source, traj.tags = spec.data_source, list(spec.tags)
     t0 = time.perf_counter()
     try:
         await _play(engine, tokenizer, env, spec, sampling, max_len, traj)
@@ -53,7 +59,7 @@ async def run_episode(
 
 
 async def _play(engine, tokenizer, env, spec, sampling, max_len, traj: Trajectory) -> None:
-    obs, info = await env.areset(seed=spec.seed, options={"split": spec.split})
+    obs, info = await env.areset(seed=spec.seed, options={**spec.options, "split": spec.split})
     traj.info.update(task_type=info.get("task_type"), split=spec.split)
     seg = Segment(kind="root")
     traj.segments.append(seg)

@@ -38,6 +38,28 @@ class EnvConfig(Section):
     """Extra keyword arguments for ``envs.make``."""
 
 
+class DataSourceConfig(Section):
+    env_id: str
+    """Registered environment id."""
+    task_set: str = "default"
+    """The env's task set to draw from."""
+    weight: float = Field(1.0, gt=0)
+    """Relative share of the draws."""
+    tags: list[str] = Field(default_factory=list)
+    """Labels carried by its trajectories (what teachers route on)."""
+    name: str = ""
+    """Unique name (default ``ENV_ID:TASK_SET``)."""
+    env_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for ``envs.make``."""
+
+
+class DataConfig(Section):
+    sources: list[DataSourceConfig] = Field(default_factory=list)
+    """RL data sources mixed by weight; empty: the ``env`` section's env with its default task set."""
+    seed: int = 0
+    """Seed of the mixture's draws."""
+
+
 class RolloutConfig(Section):
     group_size: int = Field(4, ge=1)
     """Trajectories sampled per task (GRPO group)."""
@@ -179,6 +201,7 @@ class JobConfig(Section):
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)

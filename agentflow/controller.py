@@ -16,6 +16,7 @@ from agentflow.metrics import MetricsLogger
 from agentflow.rollout import BusyTracker, Rollouts
 from agentflow.store import TrajectoryStore
 from agentflow.types import Group, InferenceEngine, SamplingParams
+from envs.tasks import DataMixture, DataSource
 from trainer.types import Sample
 from transfer_mesh.buckets import unpack_version
 
@@ -45,9 +46,7 @@ async def rl_loop(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens
     )
     result = LoopResult(start=time.monotonic())
-    feeder = asyncio.create_task(
-        rollouts.feed(store, cfg.rollout.group_size, sampling, first_seed=cfg.run.seed * 10**6)
-    )
+    feeder = asyncio.create_task(rollouts.feed(store, cfg.rollout.group_size, sampling, data_mixture(cfg)))
     try:
         for step in log.progress(range(cfg.run.steps), desc=f"RL ({cfg.run.mode})"):
             batch = await _next_batch(store, feeder, close_gate=sync)  # B finished groups, within the window
@@ -75,6 +74,14 @@ async def rl_loop(
     result.end = time.monotonic()
     result.wall_s = result.end - result.start
     return result
+
+
+def data_mixture(cfg: Any) -> DataMixture:
+    """The RL data sources of the job (the ``env`` section's env alone when none are configured)."""
+    sources = [
+        DataSource(s.env_id, s.task_set, s.weight, tuple(s.tags), s.name, dict(s.env_kwargs)) for s in cfg.data.sources
+    ] or [DataSource(cfg.env.id, env_kwargs=dict(cfg.env.kwargs))]
+    return DataMixture(sources, seed=cfg.data.seed + cfg.run.seed)
 
 
 async def _next_batch(store: TrajectoryStore, feeder: asyncio.Task, close_gate: bool) -> list[Group]:

@@ -7,6 +7,7 @@ paused episode (a tool running in its sandbox) holds no engine slot. Env instanc
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -15,6 +16,7 @@ from agentflow.agent import EpisodeSpec, run_episode
 from agentflow.chat import ChatTokenizer
 from agentflow.store import TrajectoryStore
 from agentflow.types import Group, InferenceEngine, SamplingParams, Trajectory
+from envs.tasks import DataMixture, Draw
 
 
 class BusyTracker:
@@ -55,23 +57,30 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
 
 
 class EnvPool:
-    """Env instances made on demand and reused across episodes."""
+    """Env instances made on demand per (env id, kwargs) and reused across episodes."""
 
     def __init__(self, env_id: str, kwargs: dict[str, Any]) -> None:
         self.env_id, self.kwargs = env_id, kwargs
-        self._free: list[Any] = []
+        self._free: dict[str, list[Any]] = {}
         self._all: list[Any] = []
         envs.spec(env_id)  # fail fast with the registry's "did you mean" message
 
-    def acquire(self) -> Any:
-        if self._free:
-            return self._free.pop()
-        env = envs.make(self.env_id, **self.kwargs)
+    @staticmethod
+    def _key(env_id: str, kwargs: dict[str, Any]) -> str:
+        return env_id + json.dumps(kwargs, sort_keys=True, default=str)
+
+    def acquire(self, env_id: str | None = None, kwargs: dict[str, Any] | None = None) -> Any:
+        env_id, kwargs = env_id or self.env_id, self.kwargs if kwargs is None else kwargs
+        free = self._free.setdefault(self._key(env_id, kwargs), [])
+        if free:
+            return free.pop()
+        env = envs.make(env_id, **kwargs)
+        env._agentflow_pool_key = self._key(env_id, kwargs)
         self._all.append(env)
         return env
 
     def release(self, env: Any) -> None:
-        self._free.append(env)
+        self._free.setdefault(env._agentflow_pool_key, []).append(env)
 
     def close(self) -> None:
         for env in self._all:
@@ -98,7 +107,7 @@ class Rollouts:
 
     async def episode(self, spec: EpisodeSpec, sampling: SamplingParams) -> Trajectory:
         async with self.limit:
-            env = self.pool.acquire()
+            env = self.pool.acquire(spec.env_id, spec.env_kwargs)
             self.engine_busy.enter()
             try:
                 traj = await run_episode(self.engine, self.tokenizer, env, spec, sampling, self.max_len)
@@ -108,32 +117,45 @@ class Rollouts:
             self.episodes += 1
             return traj
 
-    async def play_group(self, group_id: str, seed: int, n: int, sampling: SamplingParams) -> Group:
-        specs = [EpisodeSpec(f"{group_id}-{i}", group_id, seed, "train", env_id=self.pool.env_id) for i in range(n)]
+    async def play_group(self, group_id: str, draw: Draw, n: int, sampling: SamplingParams) -> Group:
+        specs = [
+            EpisodeSpec(
+                f"{group_id}-{i}",
+                group_id,
+                draw.seed,
+                draw.split,
+                data_source=draw.source.name,
+                env_id=draw.source.env_id,
+                options=draw.reset_options(),
+                tags=draw.tags,
+                env_kwargs=dict(draw.source.env_kwargs),
+            )
+            for i in range(n)
+        ]
         version = self.engine.weight_version
         trajs = await asyncio.gather(*(self.episode(s, sampling) for s in specs))
-        return Group(id=group_id, task_seed=seed, trajectories=list(trajs), dispatch_version=version)
+        return Group(id=group_id, task_seed=draw.task_seed, trajectories=list(trajs), dispatch_version=version)
 
-    async def feed(self, store: TrajectoryStore, group_size: int, sampling: SamplingParams, first_seed: int) -> None:
+    async def feed(self, store: TrajectoryStore, group_size: int, sampling: SamplingParams, data: DataMixture) -> None:
         """Dispatch groups forever (cancel to stop): each waits for a window slot, then plays and is accepted."""
         tasks: set[asyncio.Task] = set()
-        seed = first_seed
+        index = 0
         try:
             while True:
-                gid = f"g{seed}"
+                gid = f"g{index}"
                 await store.acquire_slot(gid)
-                task = asyncio.create_task(self._play_and_accept(store, gid, seed, group_size, sampling))
+                task = asyncio.create_task(self._play_and_accept(store, gid, data.draw(index), group_size, sampling))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-                seed += 1
+                index += 1
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _play_and_accept(self, store, gid, seed, n, sampling) -> None:
+    async def _play_and_accept(self, store, gid, draw, n, sampling) -> None:
         try:
-            group = await self.play_group(gid, seed, n, sampling)
+            group = await self.play_group(gid, draw, n, sampling)
         except BaseException:
             await store.fail(gid)
             raise
@@ -142,7 +164,10 @@ class Rollouts:
     async def evaluate(self, seeds: list[int], max_new_tokens: int) -> list[Trajectory]:
         """Greedy episodes on the eval split."""
         sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-        specs = [EpisodeSpec(f"eval-{s}", f"eval-{s}", s, "eval", env_id=self.pool.env_id) for s in seeds]
+        pool = self.pool
+        specs = [
+            EpisodeSpec(f"eval-{s}", f"eval-{s}", s, "eval", env_id=pool.env_id, env_kwargs=pool.kwargs) for s in seeds
+        ]
         return list(await asyncio.gather(*(self.episode(s, sampling) for s in specs)))
 
 

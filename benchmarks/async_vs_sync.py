@@ -16,6 +16,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import _path  # noqa: F401  (must come before the project's imports: see _path.py)
+
 from agentflow.config import load_config
 from agentflow.job import run_job
 from agentflow.model_init import init_model

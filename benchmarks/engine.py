@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import _path  # noqa: F401  (must come before the project's imports: see _path.py)
 import torch
 
 from agentflow.engine.embedded import EmbeddedEngine

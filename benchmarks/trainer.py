@@ -21,10 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# This script is named like the `trainer` package; run as a script its folder comes first on sys.path and would
-# shadow the package. Put the repository root there instead.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import _path  # noqa: F401, E402  (must come before the project's imports: see _path.py)
 
 
 def _batches(vocab: int, batch: int, seq: int, n: int):

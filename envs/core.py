@@ -17,7 +17,8 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
-from envs.errors import ActionError, EnvError
+from envs.errors import ActionError, EnvError, VerifierError
+from envs.tasks import TaskSet
 
 ACTION_FORMAT = 'expected {"tool": NAME, "arguments": {...}} or {"answer": TEXT}'
 
@@ -183,7 +184,11 @@ class AgentEnv(gymnasium.Env[str, str]):
     :meth:`score_answer` (and :meth:`acall_tool` when a tool waits on something slow). The base class parses
     actions, turns bad actions into ``"Error: ..."`` observations (reward 0, not terminated, a turn counted),
     truncates when ``max_turns`` turns pass without an answer, and fills the infos: reset's info has
-    ``task_id``, ``task_type`` and ``split``; the final step's info has ``success`` and ``task_type``.
+    ``task_id``, ``task_type`` and ``split``; the final step's info has ``success`` and ``task_type`` (plus what
+    :meth:`answer_info` adds). A :class:`~envs.errors.VerifierError` is never turned into an observation or a
+    reward: it propagates, and the caller marks the trajectory ``error``.
+
+    ``task_sets`` names the env's task sets (:class:`~envs.tasks.TaskSet`: disjoint train/eval seed ranges).
     """
 
     metadata: dict[str, Any] = {"render_modes": []}
@@ -191,6 +196,7 @@ class AgentEnv(gymnasium.Env[str, str]):
     system_prompt: str = ""
     max_turns: int = 8
     max_observation_chars: int = 16384
+    task_sets: dict[str, TaskSet] = {}
 
     def __init__(self, max_turns: int | None = None) -> None:
         if max_turns is not None:
@@ -224,6 +230,14 @@ class AgentEnv(gymnasium.Env[str, str]):
         """Reward and success of answering ``text``."""
         raise NotImplementedError
 
+    async def ascore_answer(self, text: str) -> tuple[float, bool]:
+        """Awaitable :meth:`score_answer`; by default calls it directly. Override when scoring waits (a sandbox)."""
+        return self.score_answer(text)
+
+    def answer_info(self) -> dict[str, Any]:
+        """Extra keys for the final step's info after an answer (e.g. reward terms); empty by default."""
+        return {}
+
     # -- Gymnasium API -----------------------------------------------------------------------------------------
     @property
     def turn(self) -> int:
@@ -246,11 +260,13 @@ class AgentEnv(gymnasium.Env[str, str]):
         """Apply one action; a bad action gives an ``"Error: ..."`` observation instead of raising."""
         parsed = self._begin_step(action)
         if isinstance(parsed, AnswerAction):
-            return self._answer(parsed)
+            return self._answer(parsed, self.score_answer(parsed.text))
         if isinstance(parsed, str):
             return self._end_step(parsed)
         try:
             obs = self.call_tool(parsed.tool, dict(parsed.arguments))
+        except VerifierError:
+            raise
         except EnvError as e:
             obs = f"Error: {e}"
         return self._end_step(obs)
@@ -265,11 +281,13 @@ class AgentEnv(gymnasium.Env[str, str]):
         """Awaitable :meth:`step`: the same logic, with tools run through :meth:`acall_tool`."""
         parsed = self._begin_step(action)
         if isinstance(parsed, AnswerAction):
-            return self._answer(parsed)
+            return self._answer(parsed, await self.ascore_answer(parsed.text))
         if isinstance(parsed, str):
             return self._end_step(parsed)
         try:
             obs = await self.acall_tool(parsed.tool, dict(parsed.arguments))
+        except VerifierError:
+            raise
         except EnvError as e:
             obs = f"Error: {e}"
         return self._end_step(obs)
@@ -296,10 +314,12 @@ class AgentEnv(gymnasium.Env[str, str]):
             return f"Error: {e}"
         return parsed
 
-    def _answer(self, action: AnswerAction) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        reward, success = self.score_answer(action.text)
+    def _answer(
+        self, action: AnswerAction, scored: tuple[float, bool]
+    ) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        reward, success = scored
         self._done = True
-        info = {**self._task_info, "turn": self._turn, "success": bool(success)}
+        info = {**self.answer_info(), **self._task_info, "turn": self._turn, "success": bool(success)}
         return self._clip("Correct." if success else "Incorrect."), float(reward), True, False, info
 
     def _end_step(self, obs: str) -> tuple[str, float, bool, bool, dict[str, Any]]:

@@ -17,6 +17,7 @@ from typing import Any
 from envs.core import AgentEnv, ToolSpec, answer_action, tool_action
 from envs.errors import ActionError, EnvError, SandboxError
 from envs.sandbox import ExecResult, Limits, make_sandbox
+from envs.tasks import TaskSet
 
 TASK_TYPES: tuple[str, ...] = ("add", "mul", "mod", "sub")
 SPLITS: tuple[str, ...] = ("train", "eval")
@@ -136,6 +137,14 @@ class CalcEnv(AgentEnv):
     tools = [CALC_TOOL]
     system_prompt = SYSTEM_PROMPT
     max_turns = 3
+    task_sets = {
+        "default": TaskSet(
+            "default",
+            {"train": range(0, EVAL_SEED_OFFSET), "eval": range(EVAL_SEED_OFFSET, 2 * EVAL_SEED_OFFSET)},
+            TASK_TYPES,
+            "the task seeds of task_seed(seed, split)",
+        )
+    }
     max_observation_chars = 4096
 
     def __init__(

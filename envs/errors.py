@@ -30,3 +30,8 @@ class ActionError(EnvError, ValueError):
 
 class SandboxError(EnvError):
     """A sandbox could not be created or used (missing bubblewrap, closed sandbox, path escaping the workdir)."""
+
+
+class VerifierError(EnvError):
+    """A reward/verifier function failed. It propagates out of ``step``/``astep`` so that the caller marks the
+    trajectory ``error`` with this message; a failed verifier never becomes a reward of 0."""

@@ -1,6 +1,7 @@
 """The environment registry: versioned ids, ``make``, "did you mean" errors, and entry-point plugins.
 
-Ids follow Gymnasium's manners: ``Name-vN`` or ``namespace/Name-vN``. Third-party packages add environments by
+Ids follow Gymnasium's manners: ``Name-vN`` or ``namespace/Name-vN``; ``module:ns/Name-vN`` imports ``module``
+first (it registers the id). Third-party packages add environments by
 declaring an entry point in group ``agentflow.envs`` (a module to import, or a no-argument function to call, that
 calls :func:`register`); they are loaded once, the first time an id is not found (or on :func:`list_envs`).
 """
@@ -102,7 +103,17 @@ def register(
 
 
 def spec(id: str) -> EnvSpec:  # noqa: A002
-    """The spec of ``id``; raises :class:`UnknownEnvError` (with suggestions) when it is not registered."""
+    """The spec of ``id``; raises :class:`UnknownEnvError` (with suggestions) when it is not registered.
+
+    ``"package.module:ns/Name-vN"`` first imports ``package.module`` (which calls :func:`register`), as in
+    Gymnasium: a user's env file works with ``make``, job configs and ``agentflow envs check`` without a plugin.
+    """
+    if isinstance(id, str) and ":" in id:
+        module, _, id = id.partition(":")
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise UnknownEnvError(f"cannot import module {module!r} that should register {id!r}: {e}") from e
     with _lock:
         found = _registry.get(id)
     if found is None:

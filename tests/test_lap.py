@@ -231,3 +231,31 @@ def test_behaviour_logprobs_match_trainer_at_rollout_temperature(tiny_model):
         res = engine.generate_sync(prompt, SamplingParams(temperature=0.7, top_k=20, max_new_tokens=16, seed=4))
     lp = trainer.sequence_logprobs(prompt + res.output_ids)[len(prompt) - 1 :]
     assert max(abs(a - b) for a, b in zip(lp, res.logprobs, strict=True)) < 1e-4
+
+
+def test_job_mixes_data_sources_and_carries_tags(tiny_model, tmp_path):
+    from agentflow.job import run_job
+
+    cfg = _job_cfg(tiny_model, tmp_path, "async", steps=2)
+    cfg = load_config(
+        None,
+        [
+            *[f"{k}={v}" for k, v in _flat(cfg.model_dump(mode="json")).items() if not k.startswith("data")],
+            "data.sources=[{env_id: agentflow/Calc-v0, tags: [math], name: calc}, "
+            "{env_id: agentflow/Retrieval-v0, tags: [search], name: docs, weight: 1}]",
+        ],
+    )
+    run_job(cfg, log=lambda *_: None)
+    journal = Journal.read(tmp_path / "async" / "journal.jsonl")
+    seen = {(t.data_source, tuple(t.tags), t.env_id) for t in journal}
+    assert seen == {("calc", ("math",), "agentflow/Calc-v0"), ("docs", ("search",), "agentflow/Retrieval-v0")}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "kwargs":
+            out |= _flat(v, f"{prefix}{k}.")
+        elif not isinstance(v, dict | list):
+            out[f"{prefix}{k}"] = v
+    return out

@@ -1,0 +1,120 @@
+"""What ``agentflow envs check ID`` and ``agentflow envs play ID`` do (kept here so ``envs`` can test them alone)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from typing import Any, TextIO
+
+from envs.core import AgentEnv, answer_action
+from envs.errors import EnvError
+from envs.registry import make
+
+
+class EnvCheckError(EnvError):
+    """An environment that fails :func:`envs.checker.check_agent_env`; the message is one line saying why."""
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def check(env_id: str, seed: int = 7, out: TextIO | None = None) -> list[str]:
+    """Build ``env_id`` and run ``check_agent_env``; returns Gymnasium's warnings, raises :class:`EnvCheckError`.
+
+    Output goes to ``out`` (default: ``sys.stdout``).
+    """
+    out = out or sys.stdout
+    from envs.checker import check_agent_env
+
+    env: Any = None
+    try:
+        env = make(env_id)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_agent_env(env, seed=seed)
+    except EnvError as e:
+        if isinstance(e, EnvCheckError | KeyError):
+            raise
+        raise EnvCheckError(f"{env_id} fails the env check: {type(e).__name__}: {_one_line(e)}") from e
+    except Exception as e:  # noqa: BLE001 - any failure of the env is the verdict, said in one line
+        reason = _one_line(e) or "(no message)"
+        raise EnvCheckError(f"{env_id} fails the env check: {type(e).__name__}: {reason}") from e
+    finally:
+        if env is not None:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - the verdict matters more than a failing close
+                pass
+    notes = sorted({_one_line(w.message) for w in caught})
+    for note in notes:
+        print(f"warning: {note}", file=out)
+    print(f"ok: {env_id} passes gymnasium check_env and the async/AgentEnv conformance checks", file=out)
+    return notes
+
+
+def line_to_action(line: str) -> str | None:
+    """A typed line as a canonical action: JSON objects are passed as they are, other text is an answer."""
+    text = line.strip()
+    if not text:
+        return None
+    return text if text.startswith("{") else answer_action(text)
+
+
+def _show(out: TextIO, label: str, value: Any) -> None:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
+    print(f"{label}: {text}", file=out)
+
+
+def play(
+    env_id: str,
+    seed: int = 0,
+    split: str = "train",
+    task_set: str | None = None,
+    inp: TextIO | None = None,
+    out: TextIO | None = None,
+) -> dict[str, Any]:
+    """Play one episode of ``env_id`` with actions read from ``inp`` line by line; returns the final step's info.
+
+    A line that starts with ``{`` is a canonical action (``{"tool": ..., "arguments": {...}}`` or
+    ``{"answer": ...}``); any other non-empty line is an answer. Observations, rewards and infos go to ``out``.
+    ``inp``/``out`` default to ``sys.stdin``/``sys.stdout``.
+    """
+    inp, out = inp or sys.stdin, out or sys.stdout
+    env: AgentEnv = make(env_id)
+    try:
+        options: dict[str, Any] = {"split": split}
+        if task_set is not None:
+            options["task_set"] = task_set
+        obs, info = env.reset(seed=seed, options=options)
+        _show(out, "system", env.system_prompt)
+        for t in env.tools:
+            _show(out, "tool", t.to_openai()["function"])
+        _show(out, "observation", obs)
+        _show(out, "info", info)
+        return _loop(env, inp, out)
+    finally:
+        env.close()
+
+
+def _loop(env: AgentEnv, inp: TextIO, out: TextIO) -> dict[str, Any]:
+    interactive = inp.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", file=out, flush=True)
+        line = inp.readline()
+        if not line:
+            print("stdin closed before the episode ended", file=out)
+            return {}
+        action = line_to_action(line)
+        if action is None:
+            continue
+        obs, reward, terminated, truncated, info = env.step(action)
+        _show(out, "observation", obs)
+        print(f"reward: {reward:g}  terminated: {terminated}  truncated: {truncated}", file=out)
+        _show(out, "info", info)
+        if terminated or truncated:
+            print(f"episode over: success={info.get('success')}", file=out)
+            return info

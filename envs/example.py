@@ -1,0 +1,59 @@
+"""A complete user environment in one file (the README's example): ``agentflow envs check envs.example:me/Reverse-v0``.
+
+Tools are typed methods marked ``@tool``; the task set gives disjoint train/eval seeds; the rubric scores the
+answer. Importing this module registers the id.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from envs import register
+from envs.errors import ActionError
+from envs.tasks import simple_task_set
+from envs.tools import ToolEnv, tool
+from envs.verifiers import Rubric, exact_match, used_tool
+
+WORDS = ["apple", "river", "stone", "cloud", "maple", "quartz", "lantern", "meadow"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """The secret word and the expected answer (it reversed)."""
+
+    word: str
+    answer: str
+
+
+class ReverseEnv(ToolEnv):
+    """Spell a hidden word backwards; the ``letter`` tool reveals one letter at a time."""
+
+    system_prompt = "Find the hidden word with the letter tool, then answer it spelled backwards."
+    max_turns = 10
+    task_sets = {"default": simple_task_set(task_types=("reverse",))}
+    rubric = Rubric([(1.0, exact_match()), (0.0, used_tool("letter"))])
+
+    def reset_task(self, seed: int, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Draw the word of ``seed`` in the requested split."""
+        split = options.get("split", "train")
+        task_seed = self.task_sets["default"].task_seed(seed, split)
+        word = random.Random(task_seed).choice(WORDS)
+        self.task = Task(word, word[::-1])
+        info = {"task_id": f"reverse-{split}-{task_seed}", "task_type": "reverse", "split": split}
+        return f"The hidden word has {len(word)} letters. What is it spelled backwards?", info
+
+    @tool
+    def letter(self, index: int) -> str:
+        """Reveal one letter of the hidden word.
+
+        Args:
+            index: The letter's position, from 0.
+        """
+        if not 0 <= index < len(self.task.word):
+            raise ActionError(f"index must be in [0, {len(self.task.word) - 1}]")
+        return self.task.word[index]
+
+
+register("me/Reverse-v0", ReverseEnv)
