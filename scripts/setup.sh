@@ -10,6 +10,8 @@ DEV=0
 [[ "${1:-}" == "--dev" ]] && DEV=1
 
 APT_PACKAGES=(bubblewrap)
+# --dev: the docker sandbox's tests start a private engine (dockerd, containerd, runc) from Debian's docker.io.
+((DEV)) && APT_PACKAGES+=(docker.io)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -1,4 +1,4 @@
-"""Sandboxes: real bubblewrap and process sandboxes, no mocks."""
+"""Sandboxes: real bubblewrap, docker (a private engine) and process sandboxes, and the warm pool; no mocks."""
 
 import asyncio
 import os
@@ -6,17 +6,26 @@ import socket
 import subprocess
 import time
 
+import dockerd
 import pytest
 from conftest import require
 
 from envs.errors import SandboxError
-from envs.sandbox import BwrapSandbox, Limits, ProcessSandbox, bwrap_works, make_sandbox
+from envs.sandbox import BwrapSandbox, Limits, ProcessSandbox, SandboxPool, bwrap_works, make_sandbox
+
+ISOLATED = ["bwrap", pytest.param("docker", marks=pytest.mark.docker)]
 
 
-@pytest.fixture
-def sb():
+def _make(kind: str, **kw):
+    if kind == "docker":
+        return make_sandbox("docker", base_url=dockerd.engine().base_url, **kw)
     require(bwrap_works(), "bubblewrap (bwrap)")
-    sandbox = make_sandbox("bwrap")
+    return make_sandbox(kind, **kw)
+
+
+@pytest.fixture(params=ISOLATED)
+def sb(request):
+    sandbox = _make(request.param)
     yield sandbox
     sandbox.close()
 
@@ -65,7 +74,6 @@ def test_host_filesystem_read_only_and_private_tmp(sb):
     r = sb.exec("touch /usr/agentflow_probe || echo denied; echo hi > /tmp/x && cat /tmp/x")
     assert "denied" in r.stdout and "hi" in r.stdout
     assert not os.path.exists("/usr/agentflow_probe")
-    assert sb.exec("ls /proc | grep -c '^[0-9]'").stdout.strip().isdigit()
     assert int(sb.exec("ls /proc | grep -c '^[0-9]'").stdout) < 10, "the sandbox must not see host processes"
 
 
@@ -86,9 +94,9 @@ def test_cpu_limit(sb):
     assert time.monotonic() - start < 5
 
 
-def test_fork_bomb_contained():
-    require(bwrap_works(), "bubblewrap (bwrap)")
-    with BwrapSandbox(limits=Limits(max_procs=32)) as sandbox:
+@pytest.mark.parametrize("kind", ISOLATED)
+def test_fork_bomb_contained(kind):
+    with _make(kind, limits=Limits(max_procs=32)) as sandbox:
         if not sandbox.pids_limit_enforced:
             pytest.skip("no pids cgroup on this machine (cgroupfs not writable): fork bombs are not contained")
         r = sandbox.exec("bomb() { bomb | bomb & }; bomb; sleep 1; echo alive", timeout=5)
@@ -138,7 +146,7 @@ def test_process_sandbox_basics_and_leftovers():
 
 
 def test_make_sandbox_errors(monkeypatch):
-    with pytest.raises(SandboxError, match="unknown sandbox kind 'docker2'; available kinds: bwrap, process"):
+    with pytest.raises(SandboxError, match="unknown sandbox kind 'docker2'; available kinds: bwrap, docker, process"):
         make_sandbox("docker2")
     monkeypatch.setattr("envs.sandbox.bwrap_path", lambda: None)
     with pytest.raises(SandboxError, match="apt-get install bubblewrap"):
@@ -148,3 +156,69 @@ def test_make_sandbox_errors(monkeypatch):
 def test_output_is_capped(sb):
     r = sb.exec("head -c 5000000 /dev/zero | tr '\\0' a", limits=Limits(output_kb=4))
     assert r.ok and len(r.stdout) == 4096
+
+
+@pytest.mark.docker
+def test_docker_container_settings_and_removal():
+    import docker
+
+    with _make("docker", limits=Limits(memory_mb=300, max_procs=40)) as sandbox:
+        r = sandbox.exec("id -u; cat /proc/self/status | grep -E '^(NoNewPrivs|CapEff)'; ls /sys/class/net")
+        assert r.stdout.split() == ["1000", "CapEff:", "0000000000000000", "NoNewPrivs:", "1", "lo"]
+        host = sandbox.container.attrs["HostConfig"]
+        assert (host["NetworkMode"], host["ReadonlyRootfs"], host["PidsLimit"]) == ("none", True, 40)
+        assert host["Memory"] == 300 * 1024 * 1024
+        volume = sandbox.container.attrs["Mounts"][0]["Name"]
+        client = sandbox.client
+        cid = sandbox.container.id
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(cid)
+    with pytest.raises(docker.errors.NotFound):
+        client.volumes.get(volume)
+    with pytest.raises(SandboxError, match="closed"):
+        sandbox.exec("true")
+
+
+@pytest.mark.parametrize("kind", ["bwrap", pytest.param("docker", marks=pytest.mark.docker)])
+def test_pool_hands_out_ready_sandboxes_and_wipes_them(kind):
+    kw = {"base_url": dockerd.engine().base_url} if kind == "docker" else {}
+    if kind == "bwrap":
+        require(bwrap_works(), "bubblewrap (bwrap)")
+    with SandboxPool(kind, size=2, **kw) as pool:
+        assert pool.idle == 2
+        start = time.monotonic()
+        box = pool.acquire()
+        assert time.monotonic() - start < 0.01, "a warm sandbox is handed out at once"
+        box.exec("echo secret > f; sleep 105 >/dev/null 2>&1 &")
+        pool.release(box)
+        with pytest.raises(SandboxError, match="not acquired"):
+            pool.release(box)
+        assert pool.wait_ready(timeout=10)
+        boxes = [pool.acquire(), pool.acquire(), pool.acquire()]  # the third one is a cold start
+        assert pool.cold_starts == 1
+        for b in boxes:
+            assert b.exec("ls -A").stdout == "", "a recycled sandbox starts with an empty workdir"
+        assert _pgrep("sleep 105") == ""
+        for b in boxes[:2]:
+            pool.release(b)
+        leased = boxes[2]
+    assert leased.closed, "close() also closes the sandboxes still leased"
+    assert all(b.closed for b in boxes)
+
+
+def test_pool_async_and_reuse_false():
+    require(bwrap_works(), "bubblewrap (bwrap)")
+
+    async def episode(pool):
+        box = await pool.aacquire()
+        try:
+            return (await box.aexec("echo hi")).stdout
+        finally:
+            pool.release(box)
+
+    with SandboxPool("bwrap", size=1, reuse=False) as pool:
+        first = pool.acquire()
+        pool.release(first)
+        assert pool.wait_ready(timeout=5)
+        assert first.closed, "reuse=False closes a released sandbox and starts a new one"
+        assert asyncio.run(episode(pool)) == "hi\n"

@@ -125,6 +125,22 @@ class LocalSandbox:
             _kill_group(pid)
         self._finalizer()
 
+    def reset(self) -> None:
+        """Kill every process of the sandbox and empty its workdir: a fresh sandbox again (used by the pool)."""
+        with self._lock:
+            live = list(self._live)
+        for pid in live:
+            _kill_group(pid)
+        if self._cgroup is not None and not self._cgroup.kill_all():
+            raise SandboxError("could not kill every process of the sandbox")
+        root = self._open_dir()
+        for name in os.listdir(root):
+            path = os.path.join(root, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+
     @property
     def closed(self) -> bool:
         """True once :meth:`close` ran."""
