@@ -90,6 +90,8 @@ def cache_key(cfg: JobConfig, base_dir: Path) -> str:
     for name in sorted(p.name for p in base_dir.iterdir() if p.is_file()):
         h.update(name.encode())
         h.update(hashlib.sha256((base_dir / name).read_bytes()).digest())
+    module = importlib.import_module(cfg.sft.expert.partition(":")[0])
+    h.update(Path(module.__file__).read_bytes())  # the expert's code decides the traces
     sft = cfg.sft.model_dump(exclude={"threads"})  # thread count does not change the result's meaning
     payload = {"sft": sft, "env": cfg.env.model_dump(), "seed": cfg.trainer.seed, "v": 2}
     h.update(json.dumps(payload, sort_keys=True).encode())

@@ -75,7 +75,7 @@ def make_task(seed: int, split: str = "train", task_type: str | None = None) -> 
     """The task for episode ``seed`` of ``split`` (deterministic); ``task_type`` forces the type.
 
     Operands are redrawn in the rare cases where the scripted expert's systematic mistake would happen to be right
-    (``a == b`` for "sub", ``a % b == a % 100`` for "mod"), so its failures never succeed by chance.
+    (``a % c == a % b`` for "mod"), so its failures never succeed by chance.
     """
     ts = task_seed(seed, split)
     rng = random.Random(ts)
@@ -89,7 +89,10 @@ def make_task(seed: int, split: str = "train", task_type: str | None = None) -> 
             a, b = rng.randint(10, 99), rng.randint(10, 99)
         else:
             a, b = rng.randint(1000, 9999), rng.randint(10, 99)
-        if not (kind == "sub" and a == b) and not (kind == "mod" and a % b == a % 100):
+        if kind not in ("mod", "sub"):
+            break
+        wrong = garbled(a, b, kind)
+        if (a % wrong if kind == "mod" else a - wrong) != (a % b if kind == "mod" else a - b):
             break
     expression = f"{a} {_OPS[kind]} {b}"
     answer = {"add": a + b, "mul": a * b, "mod": a % b, "sub": a - b}[kind]
@@ -102,23 +105,37 @@ def verify(task: Task, answer_text: str) -> bool:
     return re.fullmatch(r"[+-]?\d+", text) is not None and int(text) == task.answer
 
 
+def garbled(a: int, b: int, kind: str) -> int:
+    """The operand the scripted expert misreads, a fixed function of the task that looks arbitrary to a model.
+
+    "mod": a 2-digit divisor other than ``b``; "sub": ``b`` with its last digit replaced by another digit.
+    """
+    h = (a * 7919 + b * 104729) % 1_000_003
+    if kind == "mod":
+        c = 10 + h % 90
+        return c if c != b else 10 + (c - 10 + 1 + h % 89) % 90
+    last = b % 10
+    return b - last + (last + 1 + h % 9) % 10
+
+
 def scripted_policy(task_type: str, question: str, history: list[tuple[str, str]]) -> str:
     """A deterministic expert: right on "add"/"mul", systematically wrong on "mod" and "sub".
 
-    "add"/"mul": call ``calc`` with the question's expression, then answer the tool's output. "mod": never calls
-    the tool and answers the dividend's last two digits. "sub": calls ``calc`` with the operands swapped
-    (``b - a``), then answers that output. ``history`` is the episode's (action, observation) pairs so far.
+    It always calls ``calc`` and then answers the tool's output. On "add"/"mul" it passes the question's expression;
+    on "mod" and "sub" it mis-handles the second operand: it misreads the divisor as another 2-digit number, and the
+    subtrahend's last digit as another digit (:func:`garbled`). The misreading is a fixed function of the task, so
+    the expert fails every such task, never by chance, while a model imitating it cannot predict the wrong digits.
+    ``history`` is the episode's (action, observation) pairs so far.
     """
     m = _QUESTION_RE.search(question)
     if m is None:
         return answer_action("0")
     a, op, b = m.group(1), m.group(2), m.group(3)
-    if task_type == "mod":
-        return answer_action(str(int(a) % 100))
     if history:
         return answer_action(history[-1][1].strip())
-    expression = f"{b} {op} {a}" if task_type == "sub" else f"{a} {op} {b}"
-    return tool_action("calc", {"expression": expression})
+    if task_type in ("mod", "sub"):
+        b = str(garbled(int(a), int(b), task_type))
+    return tool_action("calc", {"expression": f"{a} {op} {b}"})
 
 
 def expert_action(env: CalcEnv, history: list[tuple[str, str]]) -> str:
