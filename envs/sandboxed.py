@@ -35,8 +35,11 @@ class SandboxToolEnv(ToolEnv):
         split: str = "train",
         task_set: str = DEFAULT_TASK_SET,
         sandbox_kind: str = "bwrap",
+        sandbox_pool: Any = None,
     ) -> None:
+        """``sandbox_pool``: an :class:`envs.sandbox.SandboxPool` to take warm sandboxes from (and give back wiped)."""
         super().__init__(max_turns=max_turns)
+        self.sandbox_pool = sandbox_pool
         lookup_task_set(self.task_sets, task_set, type(self).__name__).seed_range(split)  # validates both
         self.split, self.task_set, self.sandbox_kind = split, task_set, sandbox_kind
         self._sandbox: Any = None
@@ -61,11 +64,12 @@ class SandboxToolEnv(ToolEnv):
             if self._sandbox is None:
                 if self.task is None:
                     raise EnvError("no task: call reset() first")
-                box = make_sandbox(self.sandbox_kind, limits=self.sandbox_limits)
+                pool = self.sandbox_pool
+                box = pool.acquire() if pool is not None else make_sandbox(self.sandbox_kind, limits=self.sandbox_limits)
                 try:
                     self.setup_sandbox(box)
                 except BaseException:
-                    box.close()
+                    pool.release(box) if pool is not None else box.close()
                     raise
                 self._sandbox = box
             return self._sandbox
@@ -74,7 +78,7 @@ class SandboxToolEnv(ToolEnv):
         with self._sandbox_lock:
             box, self._sandbox = self._sandbox, None
         if box is not None:
-            box.close()
+            self.sandbox_pool.release(box) if self.sandbox_pool is not None else box.close()
 
     async def run(self, cmd: list[str] | str, stdin: str | None = None, timeout: float = 10.0) -> ExecResult:
         """Run ``cmd`` in the sandbox without holding a thread; raises :class:`SandboxError` on a timeout."""

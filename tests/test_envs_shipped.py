@@ -236,3 +236,28 @@ def test_pycode_infinite_loop_scores_zero(bwrap_env):
     env.reset(seed=0)
     _, reward, terminated, _, info = env.step(answer_action("def solve(*a):\n    while True:\n        pass\n"))
     assert reward == 0.0 and terminated and info["reward_terms"]["pass_fraction"] == 0.0
+
+
+def test_shell_env_takes_warm_sandboxes_from_a_pool():
+    import envs
+    from envs.sandbox import SandboxPool
+    from envs.shell import expert_action
+
+    pool = SandboxPool("bwrap", size=2)
+    assert pool.wait_ready(timeout=30)
+    env = envs.make("agentflow/Shell-v0", sandbox_pool=pool)
+    try:
+        for seed in range(3):
+            env.reset(seed=seed)
+            history: list[tuple[str, str]] = []
+            for _ in range(env.max_turns):
+                action = expert_action(env.unwrapped, history)
+                obs, reward, term, trunc, info = env.step(action)
+                history.append((action, obs))
+                if term or trunc:
+                    break
+            assert info["success"], (seed, history)
+        assert pool.cold_starts == 0  # every episode's first tool call found a started sandbox
+    finally:
+        env.close()
+        pool.close()
