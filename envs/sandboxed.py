@@ -65,7 +65,8 @@ class SandboxToolEnv(ToolEnv):
                 if self.task is None:
                     raise EnvError("no task: call reset() first")
                 pool = self.sandbox_pool
-                box = pool.acquire() if pool is not None else make_sandbox(self.sandbox_kind, limits=self.sandbox_limits)
+                kind, limits = self.sandbox_kind, self.sandbox_limits
+                box = pool.acquire() if pool is not None else make_sandbox(kind, limits=limits)
                 try:
                     self.setup_sandbox(box)
                 except BaseException:
