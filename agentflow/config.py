@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -145,6 +145,10 @@ class TrainerConfig(Section):
     """Turn-level credit: per-turn returns, updates in reverse turn order (after RTPO)."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount of per-turn returns."""
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel ranks of the trainer (processes launched by the trainer group itself)."""
+    dp: int = Field(1, ge=1)
+    """Data-parallel ranks of the trainer."""
     micro_batch_tokens: int = Field(4096, ge=64)
     """Token budget of one padded micro-batch (gradient accumulation across micro-batches)."""
     seed: int = 0
@@ -209,6 +213,15 @@ class JobConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    transfer: dict[str, Any] = Field(default_factory=lambda: {"type": "inprocess"})
+    """TransferMesh weight transport, tagged by ``type`` (inprocess | gloo | http); see transfer_mesh/transport.py."""
+
+    @field_validator("transfer")
+    @classmethod
+    def _check_transfer(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from transfer_mesh.transport import parse_transport_config
+
+        return parse_transport_config(v).model_dump()
 
 
 def _parse_value(text: str) -> Any:

@@ -18,7 +18,6 @@ from agentflow.store import TrajectoryStore
 from agentflow.types import Group, InferenceEngine, SamplingParams
 from envs.tasks import DataMixture, DataSource
 from trainer.types import Sample
-from transfer_mesh.buckets import unpack_version
 
 
 @dataclass
@@ -35,7 +34,7 @@ async def rl_loop(
     rollouts: Rollouts,
     store: TrajectoryStore,
     trainer: Any,
-    engine: InferenceEngine,
+    transport: Any,
     cfg: Any,
     log: MetricsLogger,
     trainer_busy: BusyTracker,
@@ -55,14 +54,14 @@ async def rl_loop(
                 await asyncio.to_thread(score_reference, ref_engine, samples)
             trainer_busy.enter()
             metrics = await asyncio.to_thread(trainer.train_step, samples, cfg.trainer.loss)  # rollouts go on
-            version, sync_s = await sync_weights(trainer, engine)  # TransferMesh: trainer -> engine
+            version, sync = await sync_weights(trainer, transport)  # TransferMesh: trainer -> engines
             trainer_busy.exit()
             await store.set_trainer_version(version)
             if sync:
                 await store.set_gate(True)
             result.trained_ids += [t.id for g in batch for t in g.trajectories]
-            result.sync_s.append(sync_s)
-            log.step(step + 1, train=metrics, rollout=batch_metrics(batch), store=store.metrics(), sync_s=sync_s)
+            result.sync_s.append(sync["total_s"])
+            log.step(step + 1, train=metrics, rollout=batch_metrics(batch), store=store.metrics(), sync=sync)
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
                 await asyncio.to_thread(
                     trainer.save_checkpoint, log.checkpoint_path(step + 1), {"trained_ids": list(result.trained_ids)}
@@ -95,13 +94,17 @@ async def _next_batch(store: TrajectoryStore, feeder: asyncio.Task, close_gate: 
     raise RuntimeError(f"rollouts stopped: {exc!r}") from exc
 
 
-async def sync_weights(trainer: Any, engine: InferenceEngine) -> tuple[int, float]:
-    """Export checksummed buckets from the trainer, verify them whole, apply them to the engine as one version."""
+async def sync_weights(trainer: Any, transport: Any) -> tuple[int, dict[str, Any]]:
+    """TransferMesh: export HF-named weights, send them as one checksummed version; engines apply all or none.
+
+    A refused version raises (``VersionRefused`` names the problem) and the engines keep the previous one.
+    """
     t0 = time.perf_counter()
-    buckets = await asyncio.to_thread(trainer.export_buckets)
-    version, tensors = unpack_version(buckets)
-    await asyncio.to_thread(engine.update_weights, version, tensors)
-    return version, time.perf_counter() - t0
+    named = await asyncio.to_thread(trainer.export_weights)
+    report = await asyncio.to_thread(transport.send, trainer.version, named)
+    out = {k: v for k, v in report.as_dict().items() if isinstance(v, int | float)}
+    out["total_s"] = time.perf_counter() - t0
+    return report.version, out
 
 
 def to_samples(groups: list[Group], drop_uniform: bool = False) -> list[Sample]:

@@ -126,11 +126,14 @@ def run_job(cfg: JobConfig, log=print) -> dict[str, Any]:
 
 async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str, Any]:
     from agentflow.engine.factory import make_engine
-    from trainer.launcher import LocalTrainerGroup
+    from trainer.launcher import make_trainer_group
+    from transfer_mesh.transport import make_transport
 
     settings = trainer_settings(cfg)
-    trainer = await asyncio.to_thread(LocalTrainerGroup, policy_dir, settings)
+    tr = cfg.trainer
+    trainer = await asyncio.to_thread(make_trainer_group, policy_dir, settings, tp=tr.tp, dp=tr.dp)
     engine = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed)
+    transport = make_transport(cfg.transfer, [engine])
     pool = EnvPool(cfg.env.id, cfg.env.kwargs)
     stale = 0 if cfg.run.mode == "sync" else cfg.store.stale_steps
     store = TrajectoryStore(cfg.store.batch_groups, stale, Journal(run_dir / "journal.jsonl"))
@@ -144,7 +147,7 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str,
         log(f"before RL: success {before['success']:.3f} {before['per_type']} (scripted {scripted['success']:.3f})")
         ref = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed) if cfg.trainer.kl_coef > 0 else None
         try:
-            result = await rl_loop(rollouts, store, trainer, engine, cfg, metrics, trainer_busy, ref)
+            result = await rl_loop(rollouts, store, trainer, transport, cfg, metrics, trainer_busy, ref)
         finally:
             if ref is not None:
                 ref.close()
@@ -155,6 +158,7 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str,
         )
     finally:
         metrics.close()
+        transport.close()
         engine.close()
         pool.close()
         trainer.close()

@@ -104,7 +104,7 @@ def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str
     if (out / "sft_report.json").is_file():
         log(f"SFT warm-up: cached at {out}")
         return out
-    from trainer.launcher import LocalTrainerGroup
+    from trainer.launcher import make_trainer_group
 
     tok = ChatTokenizer(base_dir)
     train, expert_success = expert_samples(cfg, tok, range(cfg.sft.episodes), "train")
@@ -114,7 +114,7 @@ def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str
     settings = TrainerSettings(
         lr=cfg.sft.lr, seed=cfg.trainer.seed, threads=cfg.sft.threads, warmup_steps=warm, decay_steps=steps - warm
     )
-    group = LocalTrainerGroup(base_dir, settings)
+    group = make_trainer_group(base_dir, settings, tp=cfg.trainer.tp, dp=cfg.trainer.dp)
     try:
         report = _epochs(group, train, val, cfg, out, log)
     finally:

@@ -29,11 +29,11 @@ SKIPPED = {
     # The embedded engine has no get-parameter endpoint (SGLang itself answers 400 for this model class).
     "45": "get_weights_by_name is not served",
     # NCCL/gloo group updates: the embedded engine is updated in process or through update_weights_from_tensor.
-    "56": "distributed weight groups are not served",
+    "56": "served over gloo; needs a live rank-0 sender (tests/test_transfer_mesh_e2e.py)",
     "57": "part of the distributed sequence (56-61)",
-    "58": "distributed weight groups are not served",
+    "58": "served over gloo; needs a live rank-0 sender (tests/test_transfer_mesh_e2e.py)",
     "59": "part of the distributed sequence (56-61)",
-    "60": "distributed weight groups are not served",
+    "60": "served over gloo; needs a live rank-0 sender (tests/test_transfer_mesh_e2e.py)",
     "61": "reports the version set by 58",
     # OpenAI chat/completions belong to AgentFlow's black-box proxy, not to the engine's SGLang subset.
     **{str(n): "OpenAI-compatible API is served by the black-box proxy" for n in range(74, 83) if n != 74},

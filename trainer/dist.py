@@ -1,10 +1,17 @@
-"""torch.distributed + megatron-core parallel-state setup for the CPU (gloo) path."""
+"""torch.distributed + megatron-core parallel-state setup: gloo on CPU, NCCL on GPUs.
+
+A trainer rank learns its place from torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, optional ``LOCAL_RANK``), which :class:`trainer.launcher.ParallelTrainerGroup` sets for the processes
+it spawns; without them the world is a single process on a free port of 127.0.0.1. ``torchrun --master-port=0``
+hangs, hence :func:`free_port`.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
 
+import torch
 import torch.distributed as dist
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -17,33 +24,49 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def init_process_group_cpu() -> None:
-    """Initialize the default gloo process group unless one exists.
+def default_backend() -> str:
+    """``nccl`` when CUDA is present, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
-    Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) the environment decides; otherwise a
-    single-process world on a free port of 127.0.0.1.
+
+def init_process_group(backend: str = "gloo") -> None:
+    """Initialize the default process group unless one exists.
+
+    Under torchrun-style variables the environment decides rank and world; otherwise a single-process world on a free
+    port of 127.0.0.1. With ``nccl`` the rank first binds to GPU ``LOCAL_RANK`` (default: rank modulo the GPU count).
     """
     if dist.is_initialized():
         return
+    if backend == "nccl":
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local)
     if all(v in os.environ for v in _TORCHRUN_VARS):
-        dist.init_process_group(backend="gloo", init_method="env://")
+        dist.init_process_group(backend=backend, init_method="env://")
         return
     port = free_port()
-    dist.init_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
-def init_distributed_cpu(tp: int = 1) -> None:
-    """Initialize gloo (world size 1 unless torchrun says otherwise) and megatron's model-parallel state (TP=tp, PP=1).
+def init_process_group_cpu() -> None:
+    """Initialize the default gloo process group unless one exists (see :func:`init_process_group`)."""
+    init_process_group("gloo")
 
-    Idempotent for the same ``tp``; megatron's parallel state is process-global, so a different ``tp`` after the
-    first call raises RuntimeError.
+
+def init_distributed(tp: int = 1, dp: int | None = None, backend: str | None = None) -> None:
+    """Initialize torch.distributed and megatron's model-parallel state (TP=tp, PP=1, DP=world/tp).
+
+    ``dp`` (optional) is checked against the world size: ``tp * dp`` must equal it. Idempotent for the same ``tp``;
+    megatron's parallel state is process-global, so a different ``tp`` after the first call raises RuntimeError.
     """
     from megatron.core import parallel_state
 
-    init_process_group_cpu()
+    init_process_group(backend or default_backend())
     world = dist.get_world_size()
-    if world % tp:
+    if tp < 1 or world % tp:
         raise RuntimeError(f"tensor-parallel size {tp} does not divide the world size {world}")
+    if dp is not None and tp * dp != world:
+        raise RuntimeError(f"tp={tp} x dp={dp} = {tp * dp} ranks, but the world has {world}")
     if parallel_state.model_parallel_is_initialized():
         current = parallel_state.get_tensor_model_parallel_world_size()
         if current != tp:
@@ -52,11 +75,27 @@ def init_distributed_cpu(tp: int = 1) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
 
 
+def init_distributed_cpu(tp: int = 1) -> None:
+    """Initialize gloo (world size 1 unless torchrun says otherwise) and megatron's model-parallel state (TP=tp, PP=1).
+
+    Idempotent for the same ``tp``; megatron's parallel state is process-global, so a different ``tp`` after the
+    first call raises RuntimeError.
+    """
+    init_distributed(tp=tp, backend="gloo")
+
+
 def tp_rank_and_size() -> tuple[int, int]:
     """This process's tensor-parallel rank and the TP world size (megatron's parallel state must be initialized)."""
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def dp_rank_and_size() -> tuple[int, int]:
+    """This process's data-parallel rank and the DP world size (megatron's parallel state must be initialized)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
 def is_rank_zero() -> bool:

@@ -1,8 +1,10 @@
 """The Megatron trainer, in-process: a megatron-core ``GPTModel`` loaded from an HF directory, AdamW, the losses.
 
-On CPU Megatron's DDP and distributed optimizer hard-code CUDA (NOTES.md), so this path uses ``torch.optim.AdamW``
-and torch's gradient clipping. Each :meth:`train_step` is one optimizer step over all its samples (gradient
-accumulation across micro-batches) and bumps the weight version by one.
+On CPU Megatron's DDP and distributed optimizer hard-code CUDA (NOTES.md), so this path uses AdamW with clipping by
+the global (TP-aware) gradient norm; with CUDA it uses Megatron's DDP and distributed optimizer (trainer/gpu.py,
+unverified on a GPU so far). Each :meth:`train_step` is one training step (usually one optimizer step, gradient
+accumulation across micro-batches) and bumps the weight version by one. Under TP/DP (trainer/launcher.py's
+ParallelTrainerGroup) every rank runs this class; the DP hooks shard samples and sum gradients and metrics.
 """
 
 from __future__ import annotations
@@ -19,17 +21,18 @@ import numpy as np
 import torch
 
 from trainer.batching import MicroBatch, make_micro_batches
+from trainer.dist import dp_rank_and_size, init_distributed
 from trainer.losses import LossInputs, plan_advantages, policy_loss, sft_loss
 from trainer.model import (
     build_gpt_model,
     export_hf_state,
-    init_distributed_cpu,
     load_hf_dir,
     load_into_model,
     save_hf_dir,
     token_logprobs,
     token_logprobs_and_entropy,
 )
+from trainer.parallel import ParallelAdamW, allreduce_grads, allreduce_sum, shard_for_dp
 from trainer.types import LossSettings, Sample, TrainerSettings
 from transfer_mesh.buckets import Bucket, pack_version
 
@@ -46,21 +49,58 @@ def lr_factor(step: int, settings: TrainerSettings) -> float:
 
 
 class MegatronTrainer:
-    """One trainer rank (world size 1 on CPU in v1)."""
+    """One trainer rank (of a TP x DP group, or alone)."""
 
-    def __init__(self, model_dir: str | Path, settings: TrainerSettings) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        settings: TrainerSettings,
+        tp: int = 1,
+        dp: int = 1,
+        device: str | None = None,
+        bf16: bool = False,
+        layer_spec: str = "auto",
+    ) -> None:
+        """Load ``model_dir`` into a megatron ``GPTModel`` on this rank.
+
+        ``tp`` x ``dp`` must be the world size (torchrun-style variables, which ``trainer.launcher``'s parallel group
+        sets; a world of 1 without them). ``device``: ``cpu`` or ``cuda`` (default: ``cuda`` when available). On CUDA
+        the model is wrapped in Megatron's DDP and stepped by its distributed optimizer (``trainer.gpu``; unverified
+        on GPU); on CPU by AdamW whose ``clip_grad_norm_`` uses the global norm under TP. ``bf16`` and ``layer_spec``
+        (``auto``: TransformerEngine when installed, else megatron's local spec; see ``trainer.model``): CUDA only.
+        """
         torch.set_num_threads(settings.threads)
-        init_distributed_cpu(tp=1)
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        init_distributed(tp=tp, dp=dp, backend="nccl" if self.device == "cuda" else "gloo")
+        from megatron.core import parallel_state
+
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_rank, self.dp_size = dp_rank_and_size()
+        self.last_dp_shard: list[int] = []
+        """Indices (into the batch given to ``_dp_shard``) of the samples this DP rank trained on last."""
         self.model_dir = Path(model_dir)
         self.settings = settings
         self.spec, hf_state = load_hf_dir(model_dir)
-        self.model = build_gpt_model(self.spec, seed=settings.seed)
-        load_into_model(self.model, hf_state, self.spec)
+        model = build_gpt_model(self.spec, settings.seed, self.device, bf16=bf16, layer_spec=layer_spec)
+        load_into_model(model, hf_state, self.spec)
+        if self.device == "cuda":
+            from trainer.gpu import wrap_for_gpu
+
+            self.model, self.optimizer = wrap_for_gpu(model, settings, bf16=bf16)
+            scheduled = self.optimizer.torch_optimizer
+        else:
+            self.model = model
+            self.optimizer = ParallelAdamW(
+                model.parameters(),
+                tp_group=self.tp_group,
+                lr=settings.lr,
+                weight_decay=settings.weight_decay,
+                betas=(0.9, 0.99),
+            )
+            scheduled = self.optimizer
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay, betas=(0.9, 0.99)
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_factor, settings=settings))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, partial(lr_factor, settings=settings))
         self.version = 0
         self.step = 0
 
@@ -122,8 +162,8 @@ class MegatronTrainer:
             for k, v in self._micro_step(mb, cfg, denom, seqs, single).items():
                 sums[k] = sums.get(k, 0.0) + v
         self._dp_allreduce_grads()
-        sums = {k: self._dp_sum(v) for k, v in sums.items()}
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+        sums = {k: self._dp_sum(sums[k]) for k in sorted(sums)}  # same order on every DP rank
+        grad_norm = self.optimizer.clip_grad_norm_(self.settings.grad_clip)  # global norm under TP (and on GPU)
         self.optimizer.step()
         self.scheduler.step()
         metrics = {k: v / denom for k, v in sums.items()}
@@ -143,16 +183,30 @@ class MegatronTrainer:
         return out
 
     # -- data parallelism (world size 1 here: identity; the parallel trainer group overrides these) -----------------
-    def _dp_shard(self, samples: list[Sample], adv: list[float]) -> tuple[list[Sample], list[float]]:
-        """This DP rank's share of the batch (disjoint across ranks)."""
-        return samples, adv
+    def _dp_shard(self, samples: list[Sample], rows: list[Any]) -> tuple[list[Sample], list[Any]]:
+        """This DP rank's share of the batch and of its per-sample ``rows`` (disjoint across ranks, token-balanced).
+
+        A rank left without samples gets one zero-mask padding sample, so every rank runs the same collectives
+        (``trainer.parallel.shard_for_dp``). The batch indices taken are kept in ``last_dp_shard``.
+        """
+        mine, my_rows, self.last_dp_shard = shard_for_dp(samples, rows, self.dp_rank, self.dp_size)
+        return mine, my_rows
 
     def _dp_sum(self, value: float) -> float:
-        """Sum of ``value`` over DP ranks."""
-        return value
+        """Sum of ``value`` over DP ranks (a collective when DP > 1: every rank must call it, in the same order)."""
+        if self.dp_size == 1:
+            return value
+        return allreduce_sum(value, self.dp_group, device="cuda" if self.device == "cuda" else "cpu")
 
     def _dp_allreduce_grads(self) -> None:
-        """Sum gradients over DP ranks (each rank's loss is already divided by the global token count)."""
+        """Sum gradients over DP ranks (each rank's loss is already divided by the global token count).
+
+        On CUDA: Megatron DDP's ``finish_grad_sync`` (always: it also readies the grad buffers at DP=1).
+        """
+        if self.device == "cuda":
+            self.model.finish_grad_sync()
+        elif self.dp_size > 1:
+            allreduce_grads(self.model.parameters(), self.dp_group)
 
     def _micro_step(self, mb: MicroBatch, cfg: LossSettings, denom: float, seqs: float, single: bool) -> dict:
         if cfg.name == "sft":

@@ -9,6 +9,11 @@ Three patch-free adaptations make megatron-core 0.16.1 run on CPU (see ../shared
 
 Weights cross the HF boundary only through ``transfer_mesh.layouts``. Under TP > 1 every rank loads the full HF
 state and keeps its shard; export all-gathers shards over the TP group.
+
+GPU path (``device="cuda"``; unverified on GPU so far): megatron's stock modules on CUDA (the TransformerEngine spec
+when ``transformer_engine`` imports, else the local spec), optional bf16 through megatron's ``Float16Module``;
+Megatron DDP and the distributed optimizer wrap the model in :mod:`trainer.gpu`. Inputs may stay on the CPU: the
+model's device is used for the forward pass and log-probs come back on the inputs' device. The CPU path is unchanged.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ __all__ = [
     "load_hf_dir",
     "load_into_model",
     "make_transformer_config",
+    "model_parameters",
     "save_hf_dir",
     "token_logprobs",
     "token_logprobs_and_entropy",
@@ -154,8 +160,13 @@ class CPURotaryEmbedding(RotaryEmbedding):
 # ------------------------------------------------------------------------------------------------- building
 
 
-def make_transformer_config(spec: ModelSpec) -> TransformerConfig:
-    """The megatron TransformerConfig of a Llama/Qwen2 spec: fp32, no dropout, no fusions, CPU initialization."""
+def make_transformer_config(spec: ModelSpec, device: str = "cpu", bf16: bool = False) -> TransformerConfig:
+    """The megatron TransformerConfig of a Llama/Qwen2 spec: fp32, no dropout, no fusions, CPU initialization.
+
+    On ``cuda``: optionally bf16, and ``calculate_per_token_loss`` so that Megatron DDP *sums* gradients over DP
+    ranks (every rank's loss is already divided by the global token count).
+    """
+    on_cuda = device == "cuda"
     return TransformerConfig(
         num_layers=spec.num_hidden_layers,
         hidden_size=spec.hidden_size,
@@ -171,9 +182,9 @@ def make_transformer_config(spec: ModelSpec) -> TransformerConfig:
         add_qkv_bias=spec.attention_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        bf16=False,
+        use_cpu_initialization=not on_cuda,
+        params_dtype=torch.bfloat16 if on_cuda and bf16 else torch.float32,
+        bf16=on_cuda and bf16,
         fp16=False,
         attention_softmax_in_fp32=True,
         masked_softmax_fusion=False,
@@ -182,6 +193,7 @@ def make_transformer_config(spec: ModelSpec) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        calculate_per_token_loss=on_cuda,
         tensor_model_parallel_size=tp_rank_and_size()[1],
     )
 
@@ -193,8 +205,39 @@ def cpu_layer_spec() -> ModuleSpec:
     return layer_spec
 
 
-def build_gpt_model(spec: ModelSpec, seed: int = 0) -> GPTModel:
-    """A CPU-runnable fp32 ``GPTModel`` for ``spec`` (random init from ``seed``); call init_distributed_cpu first."""
+def cuda_layer_spec(kind: str = "auto") -> ModuleSpec:
+    """The GPU layer spec: ``te`` (TransformerEngine), ``local`` (megatron's stock local spec), ``sdpa`` (the CPU spec)
+    or ``auto`` (``te`` when transformer_engine imports, else ``local``)."""
+    if kind == "auto":
+        try:
+            import transformer_engine  # noqa: F401
+
+            kind = "te"
+        except ImportError:
+            kind = "local"
+    if kind == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    if kind == "local":
+        return get_gpt_layer_local_spec(normalization="RMSNorm")
+    if kind == "sdpa":
+        return cpu_layer_spec()
+    raise ValueError(f"unknown layer spec {kind!r}; choose auto, te, local or sdpa")
+
+
+def build_gpt_model(
+    spec: ModelSpec, seed: int = 0, device: str = "cpu", bf16: bool = False, layer_spec: str = "auto"
+) -> torch.nn.Module:
+    """An fp32 ``GPTModel`` for ``spec`` (random init from ``seed``); call init_distributed_cpu first.
+
+    ``device="cpu"`` (default): the CPU-runnable model. ``device="cuda"``: built by :func:`_build_cuda_model`
+    (``layer_spec`` as in :func:`cuda_layer_spec`; ``bf16`` wraps it in megatron's ``Float16Module``).
+    """
+    if device == "cuda":
+        return _build_cuda_model(spec, seed, bf16, layer_spec)
+    if device != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
     config = make_transformer_config(spec)
@@ -215,6 +258,37 @@ def build_gpt_model(spec: ModelSpec, seed: int = 0) -> GPTModel:
         use_cpu_initialization=True,
         cp_group=model.pg_collection.cp,
     )
+    return model
+
+
+def _build_cuda_model(spec: ModelSpec, seed: int, bf16: bool, layer_spec: str) -> torch.nn.Module:
+    """GPTModel on the current CUDA device with megatron's stock RNG tracker and modules (unverified on GPU)."""
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    config = make_transformer_config(spec, device="cuda", bf16=bf16)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=cuda_layer_spec(layer_spec),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+    )
+    if layer_spec == "sdpa":
+        model.rotary_pos_emb = CPURotaryEmbedding(
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_interleaved=config.rotary_interleaved,
+            rotary_base=spec.rope_theta,
+            use_cpu_initialization=False,
+            cp_group=model.pg_collection.cp,
+        )
+    model = model.cuda(torch.cuda.current_device())
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     return model
 
 
@@ -242,15 +316,40 @@ def load_hf_dir(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
     return spec, state
 
 
-def _model_params(model: GPTModel) -> dict[str, Tensor]:
-    """The model's parameters by megatron name (tied output weights appear once, as the embedding)."""
-    return {name: p for name, p in model.named_parameters() if p is not None}
+# TransformerEngine fuses the norms into the next linear layer: its names -> the local spec's (the layouts' names).
+_TE_RENAMES = (
+    ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+)
 
 
-def load_into_model(model: GPTModel, hf_state: dict[str, Tensor], spec: ModelSpec) -> None:
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside Megatron's DDP and ``Float16Module`` wrappers (the model itself when unwrapped)."""
+    while not isinstance(model, GPTModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def model_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The model's parameters by local-spec megatron name, through wrappers and TE's fused-norm names.
+
+    Tied output weights appear once, as the embedding.
+    """
+    out = {}
+    for name, p in unwrap_model(model).named_parameters():
+        if p is None:
+            continue
+        for te_suffix, local_suffix in _TE_RENAMES:
+            if name.endswith(te_suffix):
+                name = name[: -len(te_suffix)] + local_suffix
+        out[name] = p
+    return out
+
+
+def load_into_model(model: torch.nn.Module, hf_state: dict[str, Tensor], spec: ModelSpec) -> None:
     """Copy a full HF state into the model (this rank's TP shard), casting to the parameters' dtype."""
     full = hf_to_megatron(hf_state, spec)
-    params = _model_params(model)
+    params = model_parameters(model)
     rank, size = tp_rank_and_size()
     problems = [f"model has no parameter {n}" for n in full if n not in params]
     problems += [f"no value for model parameter {n}" for n in params if n not in full]
@@ -275,19 +374,26 @@ def _gather_tp(name: str, tensor: Tensor, size: int) -> Tensor:
     return merge_from_tp(name, shards)
 
 
-def export_hf_state(model: GPTModel, spec: ModelSpec) -> dict[str, Tensor]:
-    """The model's full weights under HF names: fp32, detached clones that share no storage with the model.
+def export_hf_state(model: torch.nn.Module, spec: ModelSpec) -> dict[str, Tensor]:
+    """The model's full weights under HF names: fp32 CPU tensors, detached clones that share no storage with the model.
 
     Collective under TP > 1 (every TP rank must call it).
     """
     size = tp_rank_and_size()[1]
     expected = megatron_shapes(spec)
     full = {}
-    for name, param in _model_params(model).items():
+    for name, param in model_parameters(model).items():
         if name in expected:
             full[name] = _gather_tp(name, param.detach(), size)
     hf = megatron_to_hf(full, spec)
-    return {name: t.detach().to(torch.float32).clone(memory_format=torch.contiguous_format) for name, t in hf.items()}
+    return {name: _cpu_fp32_copy(t) for name, t in hf.items()}
+
+
+def _cpu_fp32_copy(t: Tensor) -> Tensor:
+    """A contiguous fp32 CPU tensor with its own storage."""
+    if t.device.type == "cpu":
+        return t.detach().to(torch.float32).clone(memory_format=torch.contiguous_format)
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
 def save_hf_dir(model: GPTModel, spec: ModelSpec, src_dir: str | Path, out_dir: str | Path) -> Path:
@@ -313,8 +419,9 @@ def save_hf_dir(model: GPTModel, spec: ModelSpec, src_dir: str | Path, out_dir: 
 # ------------------------------------------------------------------------------------------------ log-probs
 
 
-def _logits(model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """fp32 logits ``[b, s, v/tp]`` of a right-padded batch (positions 0..s-1, causal attention)."""
+def _logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """fp32 logits ``[b, s, v/tp]`` of a right-padded batch (positions 0..s-1, causal attention), on the model's
+    device."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
     if attention_mask is not None:
@@ -324,6 +431,9 @@ def _logits(model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None) -
         if (mask[:, 1:] & ~mask[:, :-1]).any():
             raise ValueError("attention_mask must be right-padded (ones, then zeros)")
     b, s = input_ids.shape
+    device = next(model.parameters()).device
+    if input_ids.device != device:
+        input_ids = input_ids.to(device)
     position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
     logits = model(input_ids, position_ids, attention_mask=None)
     return logits.float()
@@ -369,12 +479,12 @@ def token_logprobs(
     logits = _logits(model, input_ids, attention_mask)[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, 1:]
+    targets = input_ids[:, 1:].to(logits.device)
     if tp_rank_and_size()[1] > 1:
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), targets.contiguous())
     else:
         logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return _mask_targets(logp, attention_mask)
+    return _mask_targets(logp.to(input_ids.device), attention_mask)
 
 
 def token_logprobs_and_entropy(
@@ -388,6 +498,7 @@ def token_logprobs_and_entropy(
     if tp_rank_and_size()[1] > 1:
         logits = _GatherLastDim.apply(logits)
     logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:].to(logits.device).unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
+    logp, entropy = logp.to(input_ids.device), entropy.to(input_ids.device)
     return _mask_targets(logp, attention_mask), _mask_targets(entropy, attention_mask)

@@ -8,7 +8,10 @@ server has a key; reads (``/health``, ``/model_info``, ``/server_info``) and ``/
 Deliberate differences from SGLang: out-of-vocabulary or negative ids get a 400 (SGLang's process dies); a list of
 ``sampling_params`` for a single prompt gets a 400 (SGLang answers 500); a weight update while requests are paused
 in place answers 200 (SGLang answers 400 although it did update, because it cannot flush their KV; our requests
-keep their own KV and the prefix cache is flushed). Distributed (NCCL/gloo) weight updates are not served.
+keep their own KV and the prefix cache is flushed). Distributed weight updates are served over gloo only (SGLang uses
+NCCL on GPUs); with ``load_format: "transfer_mesh"`` they carry TransferMesh's checksummed buckets, and with a
+``transfer_mesh`` field ``/update_weights_from_tensor`` does too (see :mod:`transfer_mesh.receiver`). Both accept
+``pause_mode`` (``none`` by default: the engine applies a version between decode steps) and report ``stall_s``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from agentflow.engine.embedded import EmbeddedEngine
 from agentflow.engine.qwen2 import load_hf_dir
 from agentflow.engine.tensors import deserialize_named_tensors
 from agentflow.types import GenerateResult
+from transfer_mesh.receiver import WeightReceiverService
+from transfer_mesh.transport import choreograph
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 PROTECTED = {
@@ -47,6 +52,7 @@ PROTECTED = {
     "/update_weight_version",
     "/release_memory_occupation",
     "/resume_memory_occupation",
+    "/get_weights_by_name",
 }
 SERVER_VERSION = "0.5.23-agentflow"
 
@@ -110,6 +116,7 @@ class SGLangServer:
         self._session = False
         self._inflight: set[str] = set()
         self._weights_lock = asyncio.Lock()
+        self.receivers = WeightReceiverService()
 
     # ------------------------------------------------------------------------------------------------ plumbing
 
@@ -136,11 +143,12 @@ class SGLangServer:
                 "/update_weights_from_disk": self.update_from_disk,
                 "/update_weights_from_tensor": self.update_from_tensor,
                 "/update_weights_from_distributed": self.update_from_distributed,
-                "/init_weights_update_group": self.not_served,
-                "/destroy_weights_update_group": self.not_served,
+                "/init_weights_update_group": self.init_weights_update_group,
+                "/destroy_weights_update_group": self.destroy_weights_update_group,
                 "/begin_weight_update": self.begin_weight_update,
                 "/end_weight_update": self.end_weight_update,
                 "/update_weight_version": self.update_weight_version,
+                "/get_weights_by_name": self.get_weights_by_name,
                 "/release_memory_occupation": self.release_memory,
                 "/resume_memory_occupation": self.resume_memory,
             },
@@ -454,16 +462,24 @@ class SGLangServer:
             return int(label), label
         return max([current, *self.labels]) + 1, label
 
-    async def _apply(self, label: Any, partial: dict[str, Any]) -> str:
-        """Apply ``partial`` (HF names -> tensors) on top of the current weights as one new version."""
+    async def _apply(
+        self, label: Any, partial: dict[str, Any], pause_mode: Any = "none", flush: Any = None
+    ) -> tuple[str, dict[str, float]]:
+        """Apply ``partial`` (HF names -> tensors) on top of the current weights as one new version: pause
+        (``pause_mode``), update, flush or keep the prefix cache (``flush``; None: the engine's setting), resume."""
+        if pause_mode not in ("none", "in_place", "retract", "abort"):
+            raise ValueError(f"pause_mode must be none, in_place, retract or abort; got {pause_mode!r}")
         version, name = self._next_version(label)
         merged = {k: v for k, v in self.engine.model.params.items()}
         merged.update(partial)
+        keep = not bool(flush) if flush is not None else self.engine.keep_cache_on_update
         async with self._weights_lock:
-            await self._op(self.engine.update_weights, version, merged)
+            timing = await self._op(
+                choreograph, self.engine, pause_mode, not keep, lambda: self.engine.update_weights(version, merged)
+            )
             if name != str(version):
                 self.labels[version] = name
-        return name
+        return name, timing
 
     @staticmethod
     def _weights_body(body: Any) -> dict[str, Any]:
@@ -475,7 +491,7 @@ class SGLangServer:
         body = self._weights_body(await self._body(request))
         try:
             model = await self._op(load_hf_dir, str(body.get("model_path") or self.model_path))
-            name = await self._apply(body.get("weight_version"), model.params)
+            name, _ = await self._apply(body.get("weight_version"), model.params)
         except (OSError, ValueError) as exc:
             reply = {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
             return web.json_response(reply, status=400)
@@ -490,22 +506,54 @@ class SGLangServer:
         if body.get("load_format") not in (None, "direct"):
             message = f"load_format {body.get('load_format')!r} is not supported (use direct)"
             return web.json_response({"success": False, "message": message}, status=400)
+        ext = body.get("transfer_mesh")
         try:
             tensors = await self._op(deserialize_named_tensors, body.get("serialized_named_tensors"))
-            name = await self._apply(body.get("weight_version"), tensors)
+            if ext is not None:  # checksummed buckets: verify the whole version before applying any of it
+                tensors = await self._op(self.receivers.decode_packed, ext, tensors, body.get("weight_version"))
+            flush = body.get("flush_cache") if ext is not None else None
+            name, timing = await self._apply(body.get("weight_version"), tensors, body.get("pause_mode", "none"), flush)
         except (ValueError, TypeError, OSError, RuntimeError) as exc:
             return web.json_response({"success": False, "message": f"Failed to update weights: {exc}"}, status=400)
-        return web.json_response({"success": True, "message": f"Success Weight version updated to {name}."})
+        reply: dict[str, Any] = {"success": True, "message": f"Success Weight version updated to {name}."}
+        return web.json_response({**reply, **timing} if ext is not None else reply)
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = self._weights_body(await self._body(request))
+        status, reply = await self._op(self.receivers.init_group, body)
+        return web.json_response(reply, status=status)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = self._weights_body(await self._body(request))
+        status, reply = await self._op(self.receivers.destroy_group, body)
+        return web.json_response(reply, status=status)
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
+        body = self._weights_body(await self._body(request))
         if not self._session:
             message = P.SESSION_MESSAGE.format("update_weights_from_distributed")
             return web.json_response({"success": False, "message": message}, status=400)
-        return await self.not_served(request)
+        t0 = time.perf_counter()
+        try:  # the engine keeps generating while the version streams in; it stalls only for the apply
+            tensors = await self._op(self.receivers.receive, body)
+            receive_s = time.perf_counter() - t0
+            label, pause = body.get("weight_version"), body.get("pause_mode", "none")
+            name, timing = await self._apply(label, tensors, pause, body.get("flush_cache"))
+        except (ValueError, TypeError, RuntimeError) as exc:
+            return web.json_response({"success": False, "message": f"Failed to update weights: {exc}"}, status=400)
+        message = f"Succeeded to update parameter online. Weight version updated to {name}."
+        reply: dict[str, Any] = {"success": True, "message": message}
+        if body.get("load_format") == "transfer_mesh":
+            reply.update(receive_s=receive_s, **timing)
+        return web.json_response(reply)
 
-    async def not_served(self, request: web.Request) -> web.Response:
-        message = f"{request.path} is not served by the embedded engine (use update_weights_from_tensor)"
-        return web.json_response({"success": False, "message": message}, status=400)
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """The first ``truncate_size`` rows of a parameter as nested lists (SGLang's read-back endpoint)."""
+        body = self._weights_body(await self._body(request))
+        t = self.engine.model.params.get(str(body.get("name")))
+        if t is None:
+            raise P.error_message("Get parameter by name failed")
+        return web.json_response(t.detach()[: int(body.get("truncate_size", 100))].tolist())
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         self._session = True
@@ -541,7 +589,9 @@ def serve(
 ) -> None:
     """Load ``model_dir`` into an embedded engine and serve it over HTTP until interrupted (``agentflow serve``)."""
     engine = EmbeddedEngine(model_dir, max_slots=max_slots, max_len=max_len, seed=seed)
+    server = SGLangServer(engine, api_key)
     try:
-        web.run_app(SGLangServer(engine, api_key).app(), host=host, port=port, print=None)
+        web.run_app(server.app(), host=host, port=port, print=None)
     finally:
+        server.receivers.close()
         engine.close()

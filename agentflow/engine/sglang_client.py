@@ -364,6 +364,83 @@ class SGLangEngine:
             raise ValueError(f"weight update to version {version} failed: {'; '.join(problems)}")
         self._version = version
 
+    # ------------------------------------------------------------- TransferMesh: distributed and bucketed updates
+
+    @property
+    def num_servers(self) -> int:
+        """Servers behind this client (each is one rank of a weight-update group)."""
+        return len(self.servers)
+
+    def _each(self, path: str, bodies: list[Any]) -> list[tuple[int, Any]]:
+        """POST ``bodies[i]`` to server ``i``, concurrently; (status, reply) per server. Connection errors raise."""
+
+        async def all_() -> list[tuple[int, Any]]:
+            return list(
+                await asyncio.gather(
+                    *(self._request(s, "POST", path, b) for s, b in zip(self.servers, bodies, strict=True))
+                )
+            )
+
+        return self._run(all_())
+
+    def _check_all(self, what: str, replies: list[tuple[int, Any]]) -> None:
+        problems = [
+            f"{s.url}: HTTP {st}: {error_text(d)}"
+            for s, (st, d) in zip(self.servers, replies, strict=True)
+            if st != 200
+        ]
+        if problems:
+            raise SGLangServerError(f"{what} failed: {'; '.join(problems)}")
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        """``/init_weights_update_group`` on every server (server ``i`` is rank ``rank_offset + i``); blocks until
+        they joined, so the trainer must join as rank 0 concurrently."""
+        body = {"master_address": master_address, "master_port": master_port, "world_size": world_size}
+        body.update(group_name=group_name, backend=backend)
+        bodies = [{**body, "rank_offset": rank_offset + i} for i in range(len(self.servers))]
+        self._check_all("init_weights_update_group", self._each("/init_weights_update_group", bodies))
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """``/destroy_weights_update_group`` on every server (best effort: refusals are ignored)."""
+        self._each("/destroy_weights_update_group", [{"group_name": group_name}] * len(self.servers))
+
+    def begin_weight_update(self) -> None:
+        self._check_all("begin_weight_update", self._each("/begin_weight_update", [{}] * len(self.servers)))
+
+    def end_weight_update(self) -> None:
+        self._check_all("end_weight_update", self._each("/end_weight_update", [{}] * len(self.servers)))
+
+    def update_weights_from_distributed(self, body: dict[str, Any]) -> list[tuple[int, Any]]:
+        """``/update_weights_from_distributed`` on every server (inside begin/end; the trainer broadcasts
+        meanwhile). Returns each server's (status, reply); when all succeed, an int label becomes the version."""
+        replies = self._each("/update_weights_from_distributed", [body] * len(self.servers))
+        self._adopt(body.get("weight_version"), replies)
+        return replies
+
+    def update_weights_from_buckets(
+        self, version: int, ext: dict[str, Any], buckets: list[Any], pause_mode: str, flush_cache: bool
+    ) -> list[tuple[int, Any]]:
+        """TransferMesh buckets (``uint8`` tensors, same host) through ``/update_weights_from_tensor`` with a
+        ``transfer_mesh`` field (plan and checksums), inside begin/end on every server; (status, reply) each."""
+        from transfer_mesh.receiver import BUCKET_PREFIX
+
+        payload = serialize_named_tensors([(f"{BUCKET_PREFIX}{i}", b) for i, b in enumerate(buckets)])
+        body = {"serialized_named_tensors": [payload], "weight_version": str(version), "transfer_mesh": ext}
+        body.update(pause_mode=pause_mode, flush_cache=flush_cache)
+        self.begin_weight_update()
+        try:
+            replies = self._each("/update_weights_from_tensor", [body] * len(self.servers))
+        finally:
+            self.end_weight_update()
+        self._adopt(str(version), replies)
+        return replies
+
+    def _adopt(self, label: Any, replies: list[tuple[int, Any]]) -> None:
+        if all(st == 200 for st, _ in replies) and str(label).lstrip("-").isdigit():
+            self._version = int(str(label))
+
     def close(self) -> None:
         """Close the HTTP session and stop the client's event loop."""
 

@@ -1,0 +1,265 @@
+"""Tensor and data parallelism of the Megatron trainer on gloo (CPU), launched by the trainer group itself.
+
+Acceptance: TP=2 and DP=2 give the same loss and, after one optimizer step with gradient clipping active, the same
+weights as one rank (1e-5); each TP rank holds half of each split tensor; DP ranks see disjoint samples.
+GPU cases are marked ``gpu`` and skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from agentflow.model_init import ModelInitConfig, init_model
+from trainer.launcher import LocalTrainerGroup, ParallelTrainerGroup, TrainerError, make_trainer_group
+from trainer.parallel import clip_grad_norm_tp, neutral_row, rank_checkpoint_path, shard_for_dp
+from trainer.types import Sample, TrainerSettings
+from transfer_mesh.layouts import ModelSpec, hf_to_megatron, megatron_shapes, split_for_tp, tp_split_dim
+
+TOL = 1e-5
+TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176)
+# lr large enough that one Adam step moves every weight by ~1e-3 (100x the tolerance); clip far below the norm
+SETTINGS = TrainerSettings(lr=1e-3, grad_clip=0.05, threads=1, micro_batch_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("tiny"), TINY)
+
+
+def _batch(lengths: tuple[int, ...] = (14, 9, 20, 11, 17, 6)) -> list[Sample]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(3, 1000, (n,), generator=g).tolist()
+        out.append(Sample(ids, [0] * 3 + [1] * (n - 3), [0.0] * n, sample_id=f"s{i}"))
+    return out
+
+
+def _full_megatron(model_dir: Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    spec = ModelSpec.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    return spec, hf_to_megatron(load_file(str(model_dir / "model.safetensors")), spec)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir: Path) -> dict:
+    """One rank (LocalTrainerGroup from the factory): metrics and weights after one SFT step."""
+    group = make_trainer_group(tiny_dir, SETTINGS, device="cpu")
+    try:
+        assert isinstance(group, LocalTrainerGroup)
+        before = group.export_weights()
+        metrics = group.train_step(_batch(), "sft")
+        return {"metrics": metrics, "before": before, "after": group.export_weights()}
+    finally:
+        group.close()
+
+
+def _check_same_step(metrics: dict, weights: dict, reference: dict) -> None:
+    ref = reference["metrics"]
+    assert ref["grad_norm"] > 10 * SETTINGS.grad_clip, "clipping must be active for the test to mean anything"
+    assert abs(metrics["loss"] - ref["loss"]) < TOL, (metrics["loss"], ref["loss"])
+    assert abs(metrics["grad_norm"] - ref["grad_norm"]) < TOL * ref["grad_norm"], (
+        f"global grad norm {metrics['grad_norm']} != one rank's {ref['grad_norm']}: under TP the step must clip "
+        "with self.optimizer.clip_grad_norm_(...) (TP-aware), not torch.nn.utils.clip_grad_norm_"
+    )
+    assert _max_diff(reference["after"], reference["before"]) > 50 * TOL, "the step must move the weights"
+    assert _max_diff(weights, reference["after"]) < TOL
+
+
+def _check_tp_shards(shards: list[dict[str, torch.Tensor]], full: dict[str, torch.Tensor], tp: int) -> None:
+    """Rank r holds exactly ``split_for_tp(full, r)``: half of each split tensor, the whole of replicated ones."""
+    assert len(shards) == tp
+    for name, tensor in full.items():
+        dim = tp_split_dim(name)
+        for rank, mine in enumerate(shards):
+            expected = split_for_tp(name, tensor, tp, rank)
+            if dim is not None:
+                assert mine[name].shape[dim] * tp == tensor.shape[dim], name
+            else:
+                assert mine[name].shape == tensor.shape, name
+            assert (mine[name] - expected).abs().max().item() < TOL, (name, rank)
+
+
+def test_tensor_parallel_2_matches_one_rank(tiny_dir: Path, reference: dict, tmp_path: Path) -> None:
+    spec, full = _full_megatron(tiny_dir)
+    with make_trainer_group(tiny_dir, SETTINGS, tp=2, dp=1, device="cpu") as group:
+        assert isinstance(group, ParallelTrainerGroup)
+        info = group.call_all("rank_info")
+        assert [(i["tp_rank"], i["tp_size"], i["dp_size"]) for i in info] == [(0, 2, 1), (1, 2, 1)]
+        _check_tp_shards(group.call_all("rank_shards"), full, 2)
+        assert set(full) == set(megatron_shapes(spec))
+        metrics = group.train_step(_batch(), "sft")
+        weights = group.export_weights()
+        _check_same_step(metrics, weights, reference)
+        # after the step the shards are still those of the (gathered) full weights: replicated ones stayed equal
+        _check_tp_shards(group.call_all("rank_shards"), hf_to_megatron(weights, spec), 2)
+        assert [i["last_dp_shard"] for i in group.call_all("rank_info")] == [list(range(6))] * 2
+        group.save_checkpoint(str(tmp_path / "ck.pt"), {"trained_ids": ["a"]})
+        assert all(rank_checkpoint_path(tmp_path / "ck.pt", r, 2).is_file() for r in range(2))
+        assert group.load_checkpoint(str(tmp_path / "ck.pt")) == {"trained_ids": ["a"]}
+        assert group.version == 1
+
+
+def test_data_parallel_2_matches_one_rank(tiny_dir: Path, reference: dict) -> None:
+    group = make_trainer_group(tiny_dir, SETTINGS, tp=1, dp=2, device="cpu")
+    pids = group.pids()
+    try:
+        metrics = group.train_step(_batch(), "sft")
+        _check_same_step(metrics, group.export_weights(), reference)
+        info = group.call_all("rank_info")
+        assert [(i["dp_rank"], i["dp_size"], i["tp_size"]) for i in info] == [(0, 2, 1), (1, 2, 1)]
+        shards = [set(i["last_dp_shard"]) for i in info]
+        assert shards[0] and shards[1] and not shards[0] & shards[1], shards
+        assert shards[0] | shards[1] == set(range(6))
+        # fewer samples than DP ranks: the empty rank trains on a zero-mask padding sample, nobody hangs
+        one = group.call("train_step", _batch((12,)), "sft", timeout=120)
+        assert one["tokens"] == 9
+        with pytest.raises(TrainerError, match=r"(?s)rank 0:.*rank 1:"):
+            group.call("no_such_method", timeout=60)
+        assert len(group.call_all("rank_info", timeout=60)) == 2, "an error on every rank leaves the group usable"
+    finally:
+        group.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.slow
+def test_tp2_dp2_matches_one_rank(tiny_dir: Path, reference: dict) -> None:
+    spec, full = _full_megatron(tiny_dir)
+    with make_trainer_group(tiny_dir, SETTINGS, tp=2, dp=2, device="cpu") as group:
+        shards = group.call_all("rank_shards")
+        _check_tp_shards(shards[:2], full, 2)
+        _check_tp_shards(shards[2:], full, 2)
+        metrics = group.train_step(_batch(), "sft")
+        _check_same_step(metrics, group.export_weights(), reference)
+        info = group.call_all("rank_info")
+        assert [(i["tp_rank"], i["dp_rank"]) for i in info] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+        assert info[0]["last_dp_shard"] == info[1]["last_dp_shard"] != info[2]["last_dp_shard"]
+        assert set(info[0]["last_dp_shard"]) | set(info[2]["last_dp_shard"]) == set(range(6))
+
+
+# ---------------------------------------------------------------------------------------------- no processes
+
+
+def test_shard_for_dp_disjoint_balanced_and_padded() -> None:
+    batch = _batch()
+    rows = [(float(i), [1] * len(s.token_ids), None) for i, s in enumerate(batch)]
+    parts = [shard_for_dp(batch, rows, r, 2) for r in range(2)]
+    idx = [p[2] for p in parts]
+    assert sorted(idx[0] + idx[1]) == list(range(6)) and not set(idx[0]) & set(idx[1])
+    assert all(i == sorted(i) for i in idx), "shares keep the batch order"
+    loads = [sum(len(batch[i].token_ids) for i in ix) for ix in idx]
+    assert abs(loads[0] - loads[1]) <= max(len(s.token_ids) for s in batch)
+    for mine, my_rows, ix in parts:
+        assert [s.sample_id for s in mine] == [batch[i].sample_id for i in ix]
+        assert my_rows == [rows[i] for i in ix]
+    assert shard_for_dp(batch, rows, 0, 1)[2] == list(range(6))
+    samples, pad_rows, ix = shard_for_dp(batch[:1], rows[:1], 1, 2)
+    assert ix == [] and len(samples) == 1 and samples[0].extra["dp_padding"]
+    assert sum(samples[0].loss_mask) == 0 and samples[0].token_ids == batch[0].token_ids
+    assert pad_rows == [(0.0, [0] * 14, None)]
+    with pytest.raises(ValueError):
+        shard_for_dp(batch, rows[:2], 0, 2)
+
+
+def test_neutral_row_and_checkpoint_paths() -> None:
+    assert neutral_row(2.5) == 0.0 and neutral_row(None) is None
+    assert neutral_row(([1.0, 2.0], [1, 1], [0.5])) == ([0.0, 0.0], [0, 0], [0.0])
+    assert rank_checkpoint_path("a/ck.pt", 0, 1) == Path("a/ck.pt")
+    assert rank_checkpoint_path("a/ck.pt", 1, 2) == Path("a/ck.tp1.pt")
+
+
+def test_clip_without_tp_is_torch_clip() -> None:
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    for p, q in zip(a, b, strict=True):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    norm = clip_grad_norm_tp(a, 0.1)
+    ref = torch.nn.utils.clip_grad_norm_(b, 0.1)
+    assert torch.equal(norm, ref)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(a, b, strict=True))
+
+
+def _fake_group(world: int, grace_s: float) -> tuple[ParallelTrainerGroup, list]:
+    """A group whose 'ranks' are the far ends of pipes held by the test (no processes)."""
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    group = object.__new__(ParallelTrainerGroup)
+    pipes = [mp.Pipe() for _ in range(world)]
+    group.world, group.tp, group.dp, group.grace_s, group._broken = world, 1, world, grace_s, ""
+    group._conns = [a for a, _ in pipes]
+    group._procs = [SimpleNamespace(pid=None, exitcode=None, is_alive=lambda: False) for _ in range(world)]
+    return group, [b for _, b in pipes]
+
+
+def test_group_stops_when_a_rank_fails_and_another_hangs() -> None:
+    group, ranks = _fake_group(2, grace_s=0.3)
+    ranks[0].send(("err", "boom"))  # rank 1 never answers: it waits in a collective
+    with pytest.raises(TrainerError, match=r"(?s)ranks \[1\] did not answer.*stopped.*rank 0: boom"):
+        group._collect("train_step", timeout=None)
+    with pytest.raises(TrainerError, match="stopped"):
+        group.call("rank_info")
+    group, ranks = _fake_group(2, grace_s=5.0)
+    ranks[0].send(("ok", 1))
+    ranks[1].close()  # rank 1 died
+    with pytest.raises(TrainerError, match=r"(?s)failed in 'start'.*rank 1: process exited"):
+        group._collect("start", timeout=10)
+
+
+# -------------------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_gpu_trainer_matches_cpu(tiny_dir: Path, reference: dict) -> None:
+    """Megatron DDP + distributed optimizer on CUDA: same step as the CPU rank (fp32, 1e-4)."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA not available")
+    group = make_trainer_group(tiny_dir, SETTINGS, device="cuda")
+    try:
+        metrics = group.train_step(_batch(), "sft")
+        assert abs(metrics["loss"] - reference["metrics"]["loss"]) < 1e-4
+        assert abs(metrics["grad_norm"] - reference["metrics"]["grad_norm"]) < 1e-4 * reference["metrics"]["grad_norm"]
+        assert _max_diff(group.export_weights(), reference["after"]) < 1e-4
+        assert group.call("rank_info")["device"].startswith("cuda")
+    finally:
+        group.close()
+
+
+@pytest.mark.gpu
+def test_gpu_check_script() -> None:
+    """benchmarks/gpu_check.py --quick passes on a GPU machine."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA not available")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, str(root / "benchmarks" / "gpu_check.py"), "--quick"],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=540)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail("gpu_check.py did not finish within 540 s")
+    assert proc.returncode == 0, (out[-3000:], err[-3000:])
+    assert json.loads(out.strip().splitlines()[-1])["ok"] is True
