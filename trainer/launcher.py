@@ -112,7 +112,30 @@ def _serve(
 # ------------------------------------------------------------------------------------------------ local group
 
 
-class LocalTrainerGroup:
+class _TrainerCalls:
+    """What both trainer groups offer on top of their ``call``: the :class:`trainer.types.TrainerGroup` methods."""
+
+    _version: int
+    call: Any  # each group's own request/response to its rank(s)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def train_step(self, samples: list[Sample], loss: str | None = None) -> dict[str, float]:
+        metrics = self.call("train_step", samples, loss)
+        self._version += 1
+        return metrics
+
+    def export_weights(self) -> dict[str, Any]:
+        """Full HF tensors (under TP the shards are all-gathered; rank 0's copy comes back)."""
+        return self.call("export_weights")
+
+    def export_buckets(self, bucket_bytes: int = 32 << 20) -> list[Any]:
+        return self.call("export_buckets", bucket_bytes)
+
+
+class LocalTrainerGroup(_TrainerCalls):
     """A :class:`trainer.types.TrainerGroup` of one process (world size 1)."""
 
     def __init__(
@@ -148,21 +171,6 @@ class LocalTrainerGroup:
     def call_all(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """:meth:`call` as a list of every rank's answer (one rank here)."""
         return [self.call(method, *args, timeout=timeout, **kwargs)]
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def train_step(self, samples: list[Sample], loss: str | None = None) -> dict[str, float]:
-        metrics = self.call("train_step", samples, loss)
-        self._version += 1
-        return metrics
-
-    def export_weights(self) -> dict[str, Any]:
-        return self.call("export_weights")
-
-    def export_buckets(self, bucket_bytes: int = 32 << 20) -> list[Any]:
-        return self.call("export_buckets", bucket_bytes)
 
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
         self.call("save_checkpoint", path, extra)
@@ -202,7 +210,7 @@ def _kill_process_group(proc: mp.process.BaseProcess) -> None:
     proc.join(5)
 
 
-class ParallelTrainerGroup:
+class ParallelTrainerGroup(_TrainerCalls):
     """``tp * dp`` trainer ranks spawned by the group itself; the same call interface as :class:`LocalTrainerGroup`.
 
     Every command runs on every rank; :meth:`call` returns rank 0's answer and :meth:`call_all` every rank's (in
@@ -318,22 +326,6 @@ class ParallelTrainerGroup:
         """Run ``method`` on every rank; every rank's answer, in global rank order."""
         self._send(method, args, kwargs, want_all=True)
         return self._collect(method, timeout)
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def train_step(self, samples: list[Sample], loss: str | None = None) -> dict[str, float]:
-        metrics = self.call("train_step", samples, loss)
-        self._version += 1
-        return metrics
-
-    def export_weights(self) -> dict[str, Any]:
-        """Full HF tensors (TP shards all-gathered by every TP group; rank 0's copy comes back)."""
-        return self.call("export_weights")
-
-    def export_buckets(self, bucket_bytes: int = 32 << 20) -> list[Any]:
-        return self.call("export_buckets", bucket_bytes)
 
     def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
         """One file per TP rank (``path`` itself at TP=1, else ``stem.tpR.suffix``), written by DP rank 0's ranks."""
