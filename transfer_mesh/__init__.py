@@ -1,0 +1,1 @@
+"""TransferMesh: HF <-> Megatron layouts, versioned checksummed buckets, weight transports to the engines."""
