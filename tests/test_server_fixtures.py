@@ -22,7 +22,8 @@ from agentflow.engine.embedded import EmbeddedEngine
 from agentflow.engine.tensors import serialize_named_tensors
 from agentflow.model_init import ModelInitConfig, init_model
 
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "sglang"
+# Recorded from a real SGLang 0.5.23 server (a copy of ../shared/fixtures/sglang kept in the repo, so CI has them)
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang"
 KEY = "run-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SKIPPED = {
