@@ -16,13 +16,8 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -35,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from agentflow.engine.embedded import EmbeddedEngine
+from agentflow.engine.launch import start_servers, stop_servers
 from agentflow.engine.qwen2 import load_hf_dir
 from agentflow.engine.sglang_client import SGLangEngine
 from agentflow.model_init import ModelInitConfig, init_model
@@ -56,43 +52,6 @@ def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
         fn()
         out.append(time.perf_counter() - t0)
     return out
-
-
-def start_servers(model_dir: Path, n: int) -> tuple[list[subprocess.Popen], list[str]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AGENTFLOW_ENGINE_KEY": KEY}
-    procs, urls = [], []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "agentflow.cli", "serve", str(model_dir), "--port", str(port), "--max-slots", "2"]
-        procs.append(subprocess.Popen([*cmd, "--max-len", "128"], env=env, start_new_session=True))
-        urls.append(f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 300
-    for p, url in zip(procs, urls, strict=True):
-        while True:
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if p.poll() is not None or time.monotonic() > deadline:
-                stop_servers(procs)
-                raise RuntimeError(f"server {url} did not start")
-            time.sleep(0.3)
-    return procs, urls
-
-
-def stop_servers(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def new_weights(engine: EmbeddedEngine, step: int) -> dict[str, torch.Tensor]:
@@ -180,7 +139,7 @@ def run_size(name: str, shape: dict, tmp: Path, repeats: int) -> dict[str, Any]:
     row["inprocess"] = bench_inprocess(engine, named, repeats)
     row["disk"] = bench_disk(engine, named, model_dir, tmp, repeats)
     engine.close()
-    procs, urls = start_servers(model_dir, 2)
+    procs, urls = start_servers(model_dir, 2, KEY, max_slots=2, max_len=128, timeout=300, quiet=False)
     try:
         row["gloo"] = bench_gloo(urls, named, row["disk"]["dir"], repeats)
     finally:

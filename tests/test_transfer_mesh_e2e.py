@@ -6,18 +6,11 @@ the exported tensors within 1e-5; a corrupted bucket is refused and both engines
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 import requests
 import torch
 
+from agentflow.engine.launch import start_servers, stop_servers
 from agentflow.engine.sglang_client import SGLangEngine
 from agentflow.model_init import ModelInitConfig, init_model
 from transfer_mesh.transport import VersionRefused, make_transport
@@ -27,54 +20,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 PROBE = [3, 17, 42, 99, 7, 250, 11, 64, 5, 301, 23, 8]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_servers(model_dir: Path, n: int, timeout: float = 90.0) -> tuple[list[subprocess.Popen], list[str]]:
-    """``agentflow serve`` processes, each in its own session (killed as a group)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AGENTFLOW_ENGINE_KEY": KEY}
-    procs, urls = [], []
-    for i in range(n):
-        port = _free_port()
-        cmd = [sys.executable, "-m", "agentflow.cli", "serve", str(model_dir), "--port", str(port), "--seed", str(i)]
-        cmd += ["--max-slots", "4", "--max-len", "256"]
-        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.DEVNULL))
-        urls.append(f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + timeout
-    try:
-        for p, url in zip(procs, urls, strict=True):
-            while True:
-                if p.poll() is not None:
-                    raise RuntimeError(f"server {url} exited with {p.returncode}")
-                try:
-                    if requests.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except requests.ConnectionError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"server {url} did not start")
-                time.sleep(0.2)
-    except BaseException:
-        stop_servers(procs)
-        raise
-    return procs, urls
-
-
-def stop_servers(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-
-
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory):
     from trainer.megatron_trainer import MegatronTrainer
@@ -82,7 +27,7 @@ def rig(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("tm_e2e")
     init_model(path, ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176))
-    procs, urls = start_servers(path, 2)
+    procs, urls = start_servers(path, 2, KEY)
     trainer = MegatronTrainer(path, TrainerSettings(lr=1e-2, threads=1))
     ids = list(range(5, 45))
     samples = [Sample(ids, [0] * 8 + [1] * 32, [0.0] * 40, sample_id="s0")]
