@@ -35,3 +35,12 @@ class SandboxError(EnvError):
 class VerifierError(EnvError):
     """A reward/verifier function failed. It propagates out of ``step``/``astep`` so that the caller marks the
     trajectory ``error`` with this message; a failed verifier never becomes a reward of 0."""
+
+
+class EnvCrashedError(RuntimeError):
+    """The environment's backend (a browser, an X server, a desktop app) died mid-episode.
+
+    Deliberately not an :class:`EnvError`: ``AgentEnv.step`` turns ``EnvError`` into an ``"Error: ..."`` observation,
+    but a dead backend cannot continue the episode. It propagates, so the caller marks the trajectory ``error`` with
+    this message as the reason; the env's pool replaces the backend at the next reset.
+    """

@@ -1,0 +1,233 @@
+"""``agentflow/Browser-v0``: web tasks in the shipped apps, driven through Playwright and the system Chromium.
+
+Observation: the page's path and title, then its ARIA snapshot with element refs (``[ref=e12]``) as text, plus a
+PNG screenshot in the info's ``"images"``. Tools: ``click(ref)``, ``type(ref, text, submit)``, ``press(key)``,
+``goto(url)``, ``scroll(direction)``, ``back()``; answering (any text) ends the episode and the verifier reads the
+app's server state. Requests outside the episode's origin are refused (``goto`` says so; a link the page follows
+is aborted and reported). A browser that dies mid-episode raises :class:`~envs.errors.EnvCrashedError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+from envs.browser.apps import WebApps
+from envs.browser.pool import BrowserPool, Lease, origin_of
+from envs.browser.tasks import TASK_TYPES, BrowserTask, check_state, make_task
+from envs.core import ToolSpec
+from envs.errors import ActionError, EnvCrashedError, EnvError
+from envs.screen import ScreenEnv
+from envs.tasks import DEFAULT_TASK_SET, lookup_task_set, simple_task_set
+
+ACTION_TIMEOUT_MS = 5000
+SYSTEM_PROMPT = (
+    "You operate a web browser to complete a task on a local website. Each observation shows the page's path, "
+    "title and accessibility tree; elements carry refs like [ref=e5]. Act with the tools (refs change when the "
+    "page changes: use the latest observation). When the task is complete, answer 'done'."
+)
+
+
+def _spec(name: str, description: str, props: dict[str, Any], required: list[str]) -> ToolSpec:
+    params = {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+    return ToolSpec(name, description, params)
+
+
+_REF = {"type": "string", "description": "the element's ref from the latest observation, e.g. e12"}
+TOOLS = [
+    _spec("click", "Click an element.", {"ref": _REF}, ["ref"]),
+    _spec(
+        "type",
+        "Replace the text of a text field; with submit=true, press Enter afterwards.",
+        {"ref": _REF, "text": {"type": "string"}, "submit": {"type": "boolean", "default": False}},
+        ["ref", "text"],
+    ),
+    _spec("press", "Press a key or combination, e.g. Enter, Tab, Control+A.", {"key": {"type": "string"}}, ["key"]),
+    _spec("goto", "Open a page of this site, e.g. /shop.", {"url": {"type": "string"}}, ["url"]),
+    _spec("scroll", "Scroll the page.", {"direction": {"type": "string", "enum": ["up", "down"]}}, ["direction"]),
+    _spec("back", "Go back to the previous page.", {}, []),
+]
+
+
+class BrowserEnv(ScreenEnv):
+    """Web tasks (:data:`~envs.browser.tasks.TASK_TYPES`) with a Playwright context leased from a pool.
+
+    ``pool``: a :class:`BrowserPool` to share (default: the process-wide one). ``reset(options={"task_type": ...})``
+    forces a task type. ``last_observation`` is the latest text observation (the scripted expert reads refs there).
+    """
+
+    tools = TOOLS
+    system_prompt = SYSTEM_PROMPT
+    max_turns = 16
+    task_sets = {"default": simple_task_set(task_types=TASK_TYPES, description="shop, sign-up form and todo tasks")}
+    max_observation_chars = 16384
+
+    def __init__(
+        self,
+        max_turns: int | None = None,
+        split: str = "train",
+        task_set: str = DEFAULT_TASK_SET,
+        pool: BrowserPool | None = None,
+    ) -> None:
+        super().__init__(max_turns=max_turns)
+        lookup_task_set(self.task_sets, task_set, type(self).__name__).seed_range(split)  # validates both
+        self.split, self.task_set = split, task_set
+        self._shared_pool = pool is None
+        self.pool = BrowserPool.shared() if pool is None else pool
+        self.apps = WebApps()
+        self.task: BrowserTask | None = None
+        self.last_observation = ""
+        self._lease: Lease | None = None
+        self._page: Any = None
+        self._page_crashed = False
+        self._checks: dict[str, bool] = {}
+        self._closed = False
+
+    @property
+    def backend(self) -> Any:
+        """The pool's loop (the browser and this env's web server live there)."""
+        return self.pool.loop
+
+    # -- episode -----------------------------------------------------------------------------------------------
+    async def areset_task(self, seed: int, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Draw the task, reset the app's state, lease a clean context and open the start page."""
+        split = options.get("split", self.split)
+        set_name = options.get("task_set", self.task_set)
+        ts = lookup_task_set(self.task_sets, set_name, type(self).__name__).task_seed(seed, split)
+        self.task = make_task(ts, split, options.get("task_type"))
+        self._checks = {}
+        if not self.apps.port:
+            await self.apps.start()
+        self.apps.reset(self.task.catalog, list(self.task.todos))
+        await self._release()
+        self._lease = await self.pool.acquire(self.apps.origin)
+        lease = self._lease
+        try:
+            self._page = await lease.context.new_page()
+            self._page_crashed = False
+            self._page.on("crash", lambda _page: setattr(self, "_page_crashed", True))
+            await self._page.goto(self.apps.origin + self.task.start_path, timeout=ACTION_TIMEOUT_MS * 4)
+        except Exception as e:  # noqa: BLE001 - a crash is re-raised as such; anything else is a broken backend
+            self._raise_if_crashed(e)
+            raise EnvError(f"could not open the start page: {e}") from e
+        obs = f"Task: {self.task.prompt}\n{await self._observe()}"
+        info = {"task_id": self.task.task_id, "task_type": self.task.task_type, "split": split, "seed": ts}
+        return obs, {**info, "task_set": set_name}
+
+    async def atool(self, name: str, arguments: dict[str, Any]) -> str:
+        """Run a browser tool, then observe the page."""
+        if self._page is None or self._lease is None:
+            raise EnvError("no page: call reset() first")
+        self._raise_if_crashed(None)
+        action: Callable[[dict[str, Any]], Awaitable[None]] = getattr(self, f"_do_{name}")
+        try:
+            await action(arguments)
+            await self._page.wait_for_load_state("load", timeout=ACTION_TIMEOUT_MS)
+        except ActionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - Playwright errors: a dead browser, or an action that failed
+            self._raise_if_crashed(e)
+            raise ActionError(f"{name} failed: {_first_line(e)}") from e
+        return await self._observe()
+
+    async def ascore(self, text: str) -> tuple[float, bool]:
+        """1.0 when every goal condition holds in the app's server state."""
+        if self.task is None:
+            raise EnvError("no task: call reset() first")
+        self._checks = check_state(self.task, self.apps.state)
+        ok = all(self._checks.values())
+        return (1.0 if ok else 0.0), ok
+
+    def answer_info(self) -> dict[str, Any]:
+        """Which goal conditions held."""
+        return {"checks": dict(self._checks)}
+
+    # -- tools -------------------------------------------------------------------------------------------------
+    async def _element(self, ref: str) -> Any:
+        loc = self._page.locator(f"aria-ref={ref}")
+        if not ref or await loc.count() == 0:
+            raise ActionError(f"no element with ref {ref!r} on this page; refs change when the page changes")
+        return loc
+
+    async def _do_click(self, args: dict[str, Any]) -> None:
+        await (await self._element(args["ref"])).click(timeout=ACTION_TIMEOUT_MS)
+
+    async def _do_type(self, args: dict[str, Any]) -> None:
+        loc = await self._element(args["ref"])
+        await loc.fill(args["text"], timeout=ACTION_TIMEOUT_MS)
+        if args.get("submit"):
+            await loc.press("Enter", timeout=ACTION_TIMEOUT_MS)
+
+    async def _do_press(self, args: dict[str, Any]) -> None:
+        await self._page.keyboard.press(args["key"])
+
+    async def _do_goto(self, args: dict[str, Any]) -> None:
+        url = urljoin(self.apps.origin + "/", args["url"].strip())
+        if urlsplit(url).scheme not in ("http", "https") or origin_of(url) != self.apps.origin:
+            raise ActionError(f"navigation to {args['url']!r} refused: only this site's pages (e.g. /shop) are allowed")
+        await self._page.goto(url, timeout=ACTION_TIMEOUT_MS)
+
+    async def _do_scroll(self, args: dict[str, Any]) -> None:
+        dy = 500 if args["direction"] == "down" else -500
+        await self._page.mouse.wheel(0, dy)
+
+    async def _do_back(self, args: dict[str, Any]) -> None:
+        if await self._page.go_back(timeout=ACTION_TIMEOUT_MS) is None:
+            raise ActionError("there is no previous page")
+
+    # -- observation and crashes -------------------------------------------------------------------------------
+    async def _observe(self) -> str:
+        """Path, title, refused requests and the ARIA snapshot; the screenshot goes to the info."""
+        page, lease = self._page, self._lease
+        try:
+            snapshot = await page.aria_snapshot(mode="ai", timeout=ACTION_TIMEOUT_MS)
+            title = await page.title()
+            self.add_image(await page.screenshot(type="png", animations="disabled", caret="hide"))
+        except Exception as e:  # noqa: BLE001 - see atool
+            self._raise_if_crashed(e)
+            raise EnvError(f"could not observe the page: {_first_line(e)}") from e
+        origin = self.apps.origin
+        url = page.url
+        where = url[len(origin) :] or "/" if url.startswith(origin) else url
+        lines = [f"URL: {where}", f"Title: {title}"]
+        refused = lease.take_blocked() if lease is not None else []
+        if refused:
+            lines.append("Refused (outside this site): " + ", ".join(refused))
+        text = "\n".join(lines) + "\n" + snapshot.replace(origin, "")
+        self.last_observation = text
+        return text
+
+    def _raise_if_crashed(self, cause: BaseException | None) -> None:
+        lease = self._lease
+        if lease is not None and not self.pool.browser_alive(lease.generation):
+            reason = f"the browser (pid {self.pool.browser_pid}) died"
+            raise EnvCrashedError(reason + (f": {_first_line(cause)}" if cause else "")) from cause
+        if self._page_crashed:
+            raise EnvCrashedError("the page's renderer crashed") from cause
+
+    async def _release(self) -> None:
+        lease, self._lease, self._page = self._lease, None, None
+        if lease is not None:
+            await self.pool.release(lease)
+
+    def close(self) -> None:
+        """Give the context back, stop the web apps, let go of the pool. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.pool.loop.alive:
+
+            async def _shutdown() -> None:
+                await self._release()
+                await self.apps.stop()
+
+            self.pool.loop.run(_shutdown(), 30)
+        if self._shared_pool:
+            BrowserPool.unshare(self.pool)
+        super().close()
+
+
+def _first_line(e: BaseException | None) -> str:
+    text = str(e or "").strip().splitlines()
+    return text[0] if text else type(e).__name__
