@@ -23,6 +23,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", help="YAML config (defaults if omitted)")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. run.steps=10")
 
+    distill = sub.add_parser("distill", help="on-policy distillation from teachers routed by data source")
+    distill.add_argument("config", nargs="?", help="YAML config with a `teachers` section")
+    distill.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint and journal")
+
     ev = sub.add_parser("eval", help="greedy success on held-out tasks")
     ev.add_argument("config", nargs="?")
     ev.add_argument("overrides", nargs="*")
@@ -76,6 +81,20 @@ def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     return config, overrides
 
 
+def _resume_config(run_dir: str, config: str | None, overrides: list[str]) -> tuple[str, list[str]]:
+    """A resumed run reads the config saved in its directory; overrides (say, more ``run.steps``) still apply."""
+    from pathlib import Path
+
+    from agentflow.config import ConfigError
+
+    if config is not None:
+        raise ConfigError(f"--resume takes its config from {run_dir}/config.yaml; give overrides only, not {config}")
+    saved = Path(run_dir) / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"cannot resume {run_dir}: no config.yaml there (not a run directory)")
+    return str(saved), [f"run.dir={run_dir}", *overrides]
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.cmd == "model":
         from agentflow.model_init import ModelInitConfig, count_parameters, init_model
@@ -99,14 +118,30 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "envs":
         return _run_envs(args)
-    from agentflow.config import load_config
+    from agentflow.config import ConfigError, load_config
 
     config, overrides = _split_config(args)
+    resume = getattr(args, "resume", None)
+    if resume:
+        config, overrides = _resume_config(resume, config, overrides)
     cfg = load_config(config, overrides)
+    if args.cmd == "distill" or (args.cmd == "train" and cfg.teachers.models):
+        from agentflow.distill import run_distill
+
+        if getattr(args, "resume", None):
+            raise ConfigError("--resume does not support distillation jobs yet")
+        summary = run_distill(cfg)
+        print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=2))
+        return 0
     if args.cmd == "train":
         from agentflow.job import run_job
+        from trainer.launcher import TrainerError
 
-        summary = run_job(cfg)
+        try:
+            summary = run_job(cfg, resume=bool(resume))
+        except TrainerError as e:
+            print(f"agentflow: {e}\nagentflow: continue with `agentflow train --resume {cfg.run.dir}`", file=sys.stderr)
+            return 1
         print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=2))
         return 0
     from agentflow.job import run_eval
@@ -119,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from agentflow.config import ConfigError
     from agentflow.job import JobError
+    from agentflow.resume import ResumeError
     from envs.errors import EnvError
 
     try:
         return _run(args)
-    except (ConfigError, JobError, EnvError, FileNotFoundError) as e:
+    except (ConfigError, JobError, EnvError, ResumeError, FileNotFoundError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"agentflow: error: {msg}", file=sys.stderr)
         return 2

@@ -186,8 +186,10 @@ class EvalConfig(Section):
 class RunConfig(Section):
     dir: str = "runs/demo"
     """Run directory: config, journal, metrics, checkpoints, summary."""
-    mode: Literal["async", "sync"] = "async"
-    """``async``: rollouts continue while the trainer steps; ``sync``: generate a batch, then train."""
+    mode: Literal["async", "one_step", "sync"] = "async"
+    """``async``: rollouts continue while the trainer steps, up to ``store.stale_steps`` versions ahead;
+    ``one_step``: the same with ``stale_steps`` fixed at 1 (the next batch is generated while this one trains);
+    ``sync``: generate a batch, then train (``stale_steps`` 0, dispatch closed while training)."""
     steps: int = Field(20, ge=0)
     """RL steps (optimizer steps, each one weight version)."""
     seed: int = 0

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentflow.metrics import MetricsLogger
+from agentflow.resume import ResumeState
 from agentflow.rollout import BusyTracker, Rollouts
 from agentflow.store import TrajectoryStore
 from agentflow.types import Group, InferenceEngine, SamplingParams
@@ -39,19 +41,27 @@ async def rl_loop(
     log: MetricsLogger,
     trainer_busy: BusyTracker,
     ref_engine: InferenceEngine | None = None,
+    resume: ResumeState | None = None,
+    annotate: Callable[[list[Group], list[Sample]], None] | None = None,
 ) -> LoopResult:
+    """The RL loop; ``annotate(batch, samples)`` (optional, run in a thread) adds to the samples before training,
+    e.g. teacher log-probs for distillation."""
     sync = cfg.run.mode == "sync"
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens
     )
-    result = LoopResult(start=time.monotonic())
-    feeder = asyncio.create_task(rollouts.feed(store, cfg.rollout.group_size, sampling, data_mixture(cfg)))
+    first = resume.step if resume else 0
+    result = LoopResult(steps=first, start=time.monotonic(), trained_ids=list(resume.trained_ids) if resume else [])
+    first_group = resume.next_group_index if resume else 0
+    feeder = asyncio.create_task(rollouts.feed(store, cfg.rollout.group_size, sampling, data_mixture(cfg), first_group))
     try:
-        for step in log.progress(range(cfg.run.steps), desc=f"RL ({cfg.run.mode})"):
+        for step in log.progress(range(first, cfg.run.steps), desc=f"RL ({cfg.run.mode})"):
             batch = await _next_batch(store, feeder, close_gate=sync)  # B finished groups, within the window
             samples = to_samples(batch, drop_uniform=cfg.trainer.drop_uniform_groups)
             if ref_engine is not None:  # KL to the reference policy, scored by a never-updated engine
                 await asyncio.to_thread(score_reference, ref_engine, samples)
+            if annotate is not None:
+                await asyncio.to_thread(annotate, batch, samples)
             trainer_busy.enter()
             metrics = await asyncio.to_thread(trainer.train_step, samples, cfg.trainer.loss)  # rollouts go on
             version, sync = await sync_weights(trainer, transport)  # TransferMesh: trainer -> engines
@@ -62,17 +72,26 @@ async def rl_loop(
             result.trained_ids += [t.id for g in batch for t in g.trajectories]
             result.sync_s.append(sync["total_s"])
             log.step(step + 1, train=metrics, rollout=batch_metrics(batch), store=store.metrics(), sync=sync)
-            if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
-                await asyncio.to_thread(
-                    trainer.save_checkpoint, log.checkpoint_path(step + 1), {"trained_ids": list(result.trained_ids)}
-                )
             result.steps = step + 1
+            if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
+                await save_checkpoint(trainer, log, result, store)
     finally:
         feeder.cancel()
         await asyncio.gather(feeder, return_exceptions=True)
     result.end = time.monotonic()
     result.wall_s = result.end - result.start
     return result
+
+
+async def save_checkpoint(trainer: Any, log: MetricsLogger, result: LoopResult, store: TrajectoryStore) -> None:
+    """The trainer's state plus the ids it was trained on (what resume leaves out of the journal's replay)."""
+    extra = {
+        "trained_ids": list(result.trained_ids),
+        "step": result.steps,
+        "version": trainer.version,
+        "pending_ids": store.pending_ids(),  # accepted, not yet trained: informative, the journal is authoritative
+    }
+    await asyncio.to_thread(trainer.save_checkpoint, log.checkpoint_path(result.steps), extra)
 
 
 def data_mixture(cfg: Any) -> DataMixture:

@@ -12,7 +12,7 @@ from typing import Any
 import envs
 from agentflow.chat import ChatTokenizer
 from agentflow.config import JobConfig, save_config
-from agentflow.controller import rl_loop
+from agentflow.controller import rl_loop, save_checkpoint
 from agentflow.metrics import MetricsLogger
 from agentflow.rollout import BusyTracker, EnvPool, Rollouts, overlap_seconds, success_summary
 from agentflow.store import Journal, TrajectoryStore, dump_json
@@ -98,8 +98,11 @@ def scripted_success(cfg: JobConfig, seeds: list[int]) -> dict[str, Any]:
     }
 
 
-def run_job(cfg: JobConfig, log=print) -> dict[str, Any]:
-    """Run warm-up SFT (optional) and RL; write and return ``summary.json``."""
+def run_job(cfg: JobConfig, log=print, resume: bool = False) -> dict[str, Any]:
+    """Run warm-up SFT (optional) and RL; write and return ``summary.json``.
+
+    ``resume``: continue the run in ``run.dir`` from its newest checkpoint and its journal (agentflow/resume.py).
+    """
     t_start = time.monotonic()
     _pin_threads(cfg.run.threads)
     check_env_id(cfg)
@@ -113,7 +116,7 @@ def run_job(cfg: JobConfig, log=print) -> dict[str, Any]:
 
         policy_dir = run_sft(cfg, base, run_dir.parent / "cache", log)
         sft_report = json.loads((policy_dir / "sft_report.json").read_text())
-    summary = asyncio.run(_rl(cfg, policy_dir, run_dir, log))
+    summary = asyncio.run(_rl(cfg, policy_dir, run_dir, log, resume))
     summary["wall_s"] = time.monotonic() - t_start
     summary["sft"] = sft_report and {k: sft_report[k] for k in ("best_val_loss", "epochs", "curve")}
     dump_json(run_dir / "summary.json", summary)
@@ -124,7 +127,41 @@ def run_job(cfg: JobConfig, log=print) -> dict[str, Any]:
     return summary
 
 
-async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str, Any]:
+def _write_processes(run_dir: Path, trainer: Any) -> None:
+    """Process ids of this job's parts (operators and crash tests signal them by pid)."""
+    pids = trainer.pids() if hasattr(trainer, "pids") else []
+    dump_json(run_dir / "processes.json", {"controller": os.getpid(), "trainer": pids})
+
+
+async def _resume(cfg: JobConfig, run_dir: Path, trainer: Any, transport: Any, store: TrajectoryStore, log) -> Any:
+    """Load the newest good checkpoint, give its weights to the engines, put untrained journaled groups back."""
+    from agentflow.controller import sync_weights
+    from agentflow.resume import plan_resume
+
+    state = await asyncio.to_thread(plan_resume, run_dir, trainer.load_checkpoint, cfg.rollout.group_size)
+    if state.checkpoint is not None:
+        await sync_weights(trainer, transport)
+    store.restore(state.groups, trainer.version)
+    n = sum(len(g.trajectories) for g in state.groups)
+    log(
+        f"resumed {run_dir} at step {state.step} from {state.checkpoint or 'the start (no checkpoint)'}: "
+        f"{len(state.trained_ids)} trajectories trained, {n} restored from the journal"
+        + (f"; skipped unreadable {state.skipped_checkpoints}" if state.skipped_checkpoints else "")
+    )
+    return state
+
+
+async def _evaluate_before(cfg: JobConfig, rollouts: Rollouts, run_dir: Path, seeds: list[int], resumed: bool) -> dict:
+    """Held-out success before RL; a resumed run reuses the first run's (its weights are gone)."""
+    path = run_dir / "eval_before.json"
+    if resumed and path.is_file():
+        return json.loads(path.read_text())
+    before = success_summary(await rollouts.evaluate(seeds, cfg.rollout.max_new_tokens))
+    dump_json(path, before)
+    return before
+
+
+async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, resume: bool = False) -> dict[str, Any]:
     from agentflow.engine.factory import make_engine
     from trainer.launcher import make_trainer_group
     from transfer_mesh.transport import make_transport
@@ -135,27 +172,29 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str,
     engine = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed)
     transport = make_transport(cfg.transfer, [engine])
     pool = EnvPool(cfg.env.id, cfg.env.kwargs)
-    stale = 0 if cfg.run.mode == "sync" else cfg.store.stale_steps
+    stale = {"sync": 0, "one_step": 1}.get(cfg.run.mode, cfg.store.stale_steps)
     store = TrajectoryStore(cfg.store.batch_groups, stale, Journal(run_dir / "journal.jsonl"))
     rollouts = Rollouts(engine, ChatTokenizer(policy_dir), pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
     metrics = MetricsLogger(run_dir, cfg.run.progress)
     trainer_busy = BusyTracker()
     eval_seeds = list(range(cfg.eval.episodes))
+    _write_processes(run_dir, trainer)
+    state = None
     try:
+        if resume:
+            state = await _resume(cfg, run_dir, trainer, transport, store, log)
         scripted = await asyncio.to_thread(scripted_success, cfg, eval_seeds)
-        before = success_summary(await rollouts.evaluate(eval_seeds, cfg.rollout.max_new_tokens))
+        before = await _evaluate_before(cfg, rollouts, run_dir, eval_seeds, resume)
         log(f"before RL: success {before['success']:.3f} {before['per_type']} (scripted {scripted['success']:.3f})")
         ref = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed) if cfg.trainer.kl_coef > 0 else None
         try:
-            result = await rl_loop(rollouts, store, trainer, transport, cfg, metrics, trainer_busy, ref)
+            result = await rl_loop(rollouts, store, trainer, transport, cfg, metrics, trainer_busy, ref, state)
         finally:
             if ref is not None:
                 ref.close()
         after = success_summary(await rollouts.evaluate(eval_seeds, cfg.rollout.max_new_tokens))
         log(f"after RL:  success {after['success']:.3f} {after['per_type']}")
-        await asyncio.to_thread(
-            trainer.save_checkpoint, metrics.checkpoint_path(result.steps), {"trained_ids": result.trained_ids}
-        )
+        await save_checkpoint(trainer, metrics, result, store)
     finally:
         metrics.close()
         transport.close()
@@ -190,6 +229,9 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log) -> dict[str,
         "trainer_busy_fraction": sum(b - a for a, b in trainer_spans) / max(result.wall_s, 1e-9),
         "weight_sync_s_median": sorted(result.sync_s)[len(result.sync_s) // 2] if result.sync_s else None,
         "trajectories_trained": len(result.trained_ids),
+        "trajectories_pending": len(store.pending_ids()),
+        "resumed_from": str(state.checkpoint) if state and state.checkpoint else None,
+        "restored_trajectories": sum(len(g.trajectories) for g in state.groups) if state else 0,
         "policy_dir": str(policy_dir),
     }
 

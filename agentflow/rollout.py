@@ -136,10 +136,15 @@ class Rollouts:
         trajs = await asyncio.gather(*(self.episode(s, sampling) for s in specs))
         return Group(id=group_id, task_seed=draw.task_seed, trajectories=list(trajs), dispatch_version=version)
 
-    async def feed(self, store: TrajectoryStore, group_size: int, sampling: SamplingParams, data: DataMixture) -> None:
-        """Dispatch groups forever (cancel to stop): each waits for a window slot, then plays and is accepted."""
+    async def feed(
+        self, store: TrajectoryStore, group_size: int, sampling: SamplingParams, data: DataMixture, first: int = 0
+    ) -> None:
+        """Dispatch groups forever (cancel to stop): each waits for a window slot, then plays and is accepted.
+
+        ``first``: index of the first group (a resumed run continues after the journal's last group).
+        """
         tasks: set[asyncio.Task] = set()
-        index = 0
+        index = first
         try:
             while True:
                 gid = f"g{index}"

@@ -31,8 +31,8 @@ class Journal:
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
 
     def append(self, trajectories: list[Trajectory]) -> None:
-        for t in trajectories:
-            self._f.write(t.to_json() + "\n")
+        # one write per group: a crash leaves at most one torn last line, which ``read`` drops
+        self._f.write("".join(t.to_json() + "\n" for t in trajectories))
         self._f.flush()
         os.fsync(self._f.fileno())
 
@@ -45,9 +45,16 @@ class Journal:
         if not p.exists():
             return []
         out = []
-        for line in p.read_text(encoding="utf-8").splitlines():
-            if line.strip():
+        lines = p.read_text(encoding="utf-8").split("\n")
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
                 out.append(Trajectory.from_json(line))
+            except ValueError as e:
+                if i == len(lines) - 1:  # no newline yet: the write was cut by a crash, never acknowledged
+                    break
+                raise ValueError(f"{p}: line {i + 1} is not a trajectory: {e}") from e
         return out
 
 
@@ -97,10 +104,11 @@ class TrajectoryStore:
         """A finished group: journal it, then make it collectable."""
         if self.journal is not None:
             self.journal.append(group.trajectories)
+        # no await between journaling and making it collectable: a cancelled feeder cannot strand a journaled group
+        order = self._in_flight.pop(group.id)
+        self._ready[group.id] = (order, group)
+        self.accepted += len(group.trajectories)
         async with self._cond:
-            order = self._in_flight.pop(group.id)
-            self._ready[group.id] = (order, group)
-            self.accepted += len(group.trajectories)
             self._cond.notify_all()
 
     async def fail(self, group_id: str) -> None:
@@ -110,11 +118,23 @@ class TrajectoryStore:
             self.failed_groups += 1
             self._cond.notify_all()
 
-    def restore(self, groups: list[Group]) -> None:
-        """Put journaled, untrained groups back as finished (resume)."""
+    def restore(self, groups: list[Group], trainer_version: int = 0) -> None:
+        """Resume: the trainer is at ``trainer_version`` (each version consumed ``B`` groups) and ``groups`` are the
+        journaled, untrained groups in dispatch order; they are collected first, before anything dispatched now.
+
+        The window counts them as dispatched, so the next group is gated exactly as it would have been without the
+        crash and restored groups keep their staleness bound (group ``n`` was sampled at a version
+        ``>= n // B - stale_steps`` and is trained at ``n // B`` again).
+        """
+        self.trainer_version = trainer_version
+        self._dispatched = trainer_version * self.batch_groups + len(groups)
         for g in groups:
             self._ready[g.id] = (self._order, g)
             self._order += 1
+
+    def pending_ids(self) -> list[str]:
+        """Trajectory ids accepted (journaled) but not yet collected for training."""
+        return [t.id for _, g in sorted(self._ready.values(), key=lambda x: x[0]) for t in g.trajectories]
 
     # -- training side -------------------------------------------------------------------------------------------
     def staleness(self, group: Group) -> int:

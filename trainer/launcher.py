@@ -155,7 +155,8 @@ class LocalTrainerGroup(_TrainerCalls):
             raise TrainerError(f"trainer did not answer '{what}' within {timeout} s")
         try:
             status, payload = self._conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # EOF or a reset pipe: the process is gone
+            self._proc.join(5)
             raise TrainerError(f"trainer process died during '{what}' (exit code {self._proc.exitcode})") from None
         if status == "err":
             raise TrainerError(f"trainer failed in '{what}':\n{payload}")
@@ -165,7 +166,11 @@ class LocalTrainerGroup(_TrainerCalls):
         """Run ``method`` (a trainer method, or a name in ``trainer.parallel.RANK_CALLS``) in the trainer."""
         if not self._proc.is_alive():
             raise TrainerError(f"trainer process is not running (exit code {self._proc.exitcode})")
-        self._conn.send((method, args, kwargs))
+        try:
+            self._conn.send((method, args, kwargs))
+        except OSError:
+            self._proc.join(5)
+            raise TrainerError(f"trainer process died before '{method}' (exit code {self._proc.exitcode})") from None
         return self._wait(timeout, method)
 
     def call_all(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
@@ -179,6 +184,10 @@ class LocalTrainerGroup(_TrainerCalls):
         extra = self.call("load_checkpoint", path)
         self._version = self.call("rank_info")["version"]
         return extra
+
+    def pids(self) -> list[int]:
+        """Process id of the trainer (for monitoring and crash tests)."""
+        return [self._proc.pid] if self._proc.pid is not None else []
 
     def close(self) -> None:
         if self._proc.is_alive():

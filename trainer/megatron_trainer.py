@@ -10,6 +10,7 @@ ParallelTrainerGroup) every rank runs this class; the DP hooks shard samples and
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from dataclasses import replace
@@ -31,6 +32,7 @@ from trainer.model import (
     save_hf_dir,
     token_logprobs,
     token_logprobs_and_entropy,
+    token_logprobs_at,
 )
 from trainer.parallel import ParallelAdamW, allreduce_grads, allreduce_sum, shard_for_dp
 from trainer.types import LossSettings, Sample, TrainerSettings
@@ -214,8 +216,13 @@ class MegatronTrainer:
             value = sft_loss(logp, mb.target_mask, denom)
             value.backward()
             return {"loss": float(value.detach()) * denom}
-        entropy = None
-        if cfg.entropy_coef > 0:
+        entropy = student_top = None
+        topk = cfg.distill_loss_coef > 0 and cfg.distill_loss_estimator == "topk"
+        if topk and (cfg.entropy_coef > 0 or self.settings.temperature != 1.0 or mb.teacher_top_ids is None):
+            raise ValueError("the top-k distillation loss needs temperature 1, no entropy bonus and teacher top-k ids")
+        if topk:
+            logp, student_top = token_logprobs_at(self.model, mb.input_ids, mb.teacher_top_ids, mb.attention_mask())
+        elif cfg.entropy_coef > 0:
             if self.settings.temperature != 1.0:
                 raise ValueError("the entropy bonus is defined at temperature 1; set rollout.temperature=1")
             logp, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask())
@@ -226,6 +233,7 @@ class MegatronTrainer:
         else:  # one update per batch: old == current (detached); several without recompute: the behaviour policy
             old = logp.detach() if single else mb.behaviour_logprobs
         x = LossInputs(logp, old, mb.behaviour_logprobs, mb.advantages, mb.target_mask, mb.ref_logprobs, entropy)
+        x.teacher, x.teacher_top, x.student_top = mb.teacher_logprobs, mb.teacher_top_logprobs, student_top
         value, metrics = policy_loss(x, cfg, denom, seqs)
         value.backward()
         out = {k: float(v) for k, v in metrics.items()}
@@ -277,8 +285,13 @@ class MegatronTrainer:
             "extra": extra or {},
         }
         tmp = p.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(p)  # atomic: a crash never leaves a half-written checkpoint
+        tmp.unlink(missing_ok=True)  # the leftover of a write a crash cut short
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            _fault_pause(p.name)
+            os.fsync(f.fileno())
+        tmp.replace(p)  # atomic: a crash never leaves a half-written checkpoint under the final name
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         state = torch.load(path, weights_only=False)
@@ -290,6 +303,15 @@ class MegatronTrainer:
         random.setstate(state["rng"]["python"])
         self.step, self.version = state["step"], state["version"]
         return state["extra"]
+
+
+def _fault_pause(name: str) -> None:
+    """Fault injection for crash tests: ``AGENTFLOW_FAULT_CHECKPOINT_PAUSE=NAME:SECONDS`` holds the write of checkpoint
+    ``NAME`` open (data written, not yet synced or renamed) so a test can SIGKILL the trainer in the middle of it."""
+    spec = os.environ.get("AGENTFLOW_FAULT_CHECKPOINT_PAUSE", "")
+    target, _, seconds = spec.partition(":")
+    if target == name:
+        time.sleep(float(seconds or 30))
 
 
 def _split(n: int, parts: int) -> list[list[int]]:
