@@ -17,6 +17,8 @@ from agentflow.chat import IM_END, ChatTokenizer, parse_reply
 from agentflow.types import InferenceEngine, SamplingParams, Segment, Trajectory, Turn
 from envs.core import answer_action, tool_action
 
+_MAX_RECYCLES = 4
+
 
 @dataclass
 class EpisodeSpec:
@@ -43,13 +45,20 @@ async def run_episode(
     spec: EpisodeSpec,
     sampling: SamplingParams,
     max_len: int,
+    context: str = "truncate",
+    recycle: bool = False,
 ) -> Trajectory:
-    """Play one episode; always returns a trajectory (status says how it ended)."""
+    """Play one episode; always returns a trajectory (status says how it ended).
+
+    ``context="compact"``: when the context is full, continue in a new ``compact`` segment (the first prompt plus
+    the tool results so far) instead of ending ``truncated``. ``recycle``: a generation aborted because the weights
+    changed under it is run again from the same input (partial rollouts recycled, counted in ``info["recycled"]``).
+    """
     traj = Trajectory(id=spec.traj_id, task_id=f"{spec.split}:{spec.seed}", group_id=spec.group_id, env_id=spec.env_id)
     traj.data_source, traj.tags = spec.data_source, list(spec.tags)
     t0 = time.perf_counter()
     try:
-        await _play(engine, tokenizer, env, spec, sampling, max_len, traj)
+        await _play(engine, tokenizer, env, spec, sampling, max_len, traj, context, recycle)
     except Exception as e:  # the env or engine failed: keep the tokens, say why, never score it
         traj.status, traj.reward = "error", None
         traj.error = f"{type(e).__name__}: {e}"
@@ -58,21 +67,25 @@ async def run_episode(
     return traj
 
 
-async def _play(engine, tokenizer, env, spec, sampling, max_len, traj: Trajectory) -> None:
+async def _play(engine, tokenizer, env, spec, sampling, max_len, traj: Trajectory, context, recycle) -> None:
     obs, info = await env.areset(seed=spec.seed, options={**spec.options, "split": spec.split})
     traj.info.update(task_type=info.get("task_type"), split=spec.split)
+    tools = [t.to_openai() for t in env.tools]
     seg = Segment(kind="root")
     traj.segments.append(seg)
-    seg.append_context(tokenizer.prompt_ids(env.system_prompt, obs, [t.to_openai() for t in env.tools]))
+    seg.append_context(tokenizer.prompt_ids(env.system_prompt, obs, tools))
     gen_s = env_s = 0.0
     for turn_idx in range(env.max_turns):
         budget = min(sampling.max_new_tokens, max_len - len(seg.token_ids))
+        if budget <= 0 and context == "compact":
+            seg = _compact(tokenizer, env, obs, tools, traj)
+            budget = min(sampling.max_new_tokens, max_len - len(seg.token_ids))
         if budget <= 0:
             traj.status, traj.reward = "truncated", 0.0
             break
         t = time.perf_counter()
         req = _with_budget(sampling, budget, tokenizer.stop_ids)
-        res = await engine.generate(list(seg.token_ids), req, rid=f"{traj.id}:{turn_idx}")
+        res = await _generate(engine, list(seg.token_ids), req, f"{traj.id}:{turn_idx}", recycle, traj)
         gen_s += time.perf_counter() - t
         start = len(seg.token_ids)
         seg.append_generated(res.output_ids, res.logprobs, res.versions)
@@ -84,6 +97,7 @@ async def _play(engine, tokenizer, env, spec, sampling, max_len, traj: Trajector
         t = time.perf_counter()
         span = (start, start + len(res.output_ids))
         turn, done, step_info = await _act(env, tokenizer.decode(res.output_ids), turn_idx, span)
+        turn.segment = len(traj.segments) - 1
         env_s += time.perf_counter() - t
         traj.turns.append(turn)
         if done:
@@ -98,6 +112,28 @@ async def _play(engine, tokenizer, env, spec, sampling, max_len, traj: Trajector
     if traj.status == "truncated":
         traj.info["success"] = False
     traj.timings.update(generate_s=gen_s, env_s=env_s)
+
+
+async def _generate(engine, ids: list[int], req: SamplingParams, rid: str, recycle: bool, traj: Trajectory):
+    """One generation; with ``recycle``, one aborted by a weight update is discarded and run again."""
+    for attempt in range(_MAX_RECYCLES + 1):
+        version = engine.weight_version
+        res = await engine.generate(ids, req, rid=f"{rid}:{attempt}" if attempt else rid)
+        if not (recycle and res.finish_reason == "abort" and engine.weight_version != version):
+            break
+        traj.info["recycled"] = traj.info.get("recycled", 0) + 1
+    return res
+
+
+def _compact(tokenizer: ChatTokenizer, env, first_obs: str, tools: list, traj: Trajectory) -> Segment:
+    """A new ``compact`` segment: the first prompt plus the tool results so far (env text only: the model's own
+    tokens stay in the segment that generated them and are never re-encoded)."""
+    results = [t.observation for t in traj.turns if t.action is not None and t.observation]
+    user = first_obs + ("\n\nTool results so far:\n" + "\n".join(results) if results else "")
+    seg = Segment(kind="compact")
+    seg.append_context(tokenizer.prompt_ids(env.system_prompt, user, tools))
+    traj.segments.append(seg)
+    return seg
 
 
 async def _act(env, text: str, idx: int, span: tuple[int, int]) -> tuple[Turn, bool, dict]:

@@ -71,6 +71,27 @@ class RolloutConfig(Section):
     """New tokens per model turn."""
     max_concurrency: int = Field(32, ge=1)
     """Episodes in flight at once (bounded further by the store's window)."""
+    partial: Literal["continue", "recycle"] = "continue"
+    """Partial rollouts at a weight update: in-flight generations ``continue`` under the new version (each token
+    stamped with its own), or are aborted and ``recycle``d (run again from the same input under the new one)."""
+
+
+class AgentConfig(Section):
+    type: str = "whitebox"
+    """Registered agent (agentflow/agents.py): ``whitebox`` (our token loop) or ``blackbox`` (an OpenAI-API
+    program through the recording proxy)."""
+    context: Literal["truncate", "compact"] = "truncate"
+    """Whitebox: a full context ends the episode, or continues it in a new ``compact`` segment."""
+    entry: str | None = None
+    """Blackbox: the program as a Python callable ``module:function`` taking a ``BlackBoxTask``."""
+    command: list[str] | None = None
+    """Blackbox: the program as a command (``{python}`` = this interpreter), given ``OPENAI_BASE_URL`` etc."""
+    timeout_s: float = Field(120.0, gt=0)
+    """Blackbox: seconds one episode's program may run before it is killed (the episode ends ``truncated``)."""
+    model_name: str = "agentflow-policy"
+    """Blackbox: the model name the proxy serves."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra settings for a user-registered agent."""
 
 
 class EngineConfig(Section):
@@ -209,6 +230,7 @@ class JobConfig(Section):
     env: EnvConfig = Field(default_factory=EnvConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)

@@ -161,6 +161,8 @@ def batch_metrics(groups: list[Group]) -> dict[str, float]:
         "model_tokens_mean": sum(t.num_model_tokens() for t in trajs) / n,
         "turns_mean": sum(len(t.turns) for t in trajs) / n,
         "partial_ratio": sum(t.min_version() != t.max_version() for t in trajs) / n,
+        "partial_span_max": max((t.max_version() - t.min_version() for t in trajs), default=0),
+        "recycled": sum(t.info.get("recycled", 0) for t in trajs),
         **{f"success_{k}": v for k, v in success_by_type(trajs).items()},
     }
 

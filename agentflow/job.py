@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import envs
+from agentflow.agents import agent_from_config
 from agentflow.chat import ChatTokenizer
 from agentflow.config import JobConfig, save_config
 from agentflow.controller import rl_loop, save_checkpoint
@@ -174,7 +175,9 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, resume: bool
     pool = EnvPool(cfg.env.id, cfg.env.kwargs)
     stale = {"sync": 0, "one_step": 1}.get(cfg.run.mode, cfg.store.stale_steps)
     store = TrajectoryStore(cfg.store.batch_groups, stale, Journal(run_dir / "journal.jsonl"))
-    rollouts = Rollouts(engine, ChatTokenizer(policy_dir), pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
+    agent = agent_from_config(cfg)  # whitebox loop, or a blackbox program behind the recording proxy
+    await agent.start(engine, ChatTokenizer(policy_dir))
+    rollouts = Rollouts(engine, ChatTokenizer(policy_dir), pool, cfg.engine.max_len, cfg.rollout.max_concurrency, agent)
     metrics = MetricsLogger(run_dir, cfg.run.progress)
     trainer_busy = BusyTracker()
     eval_seeds = list(range(cfg.eval.episodes))
@@ -198,6 +201,7 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, resume: bool
     finally:
         metrics.close()
         transport.close()
+        await agent.close()
         engine.close()
         pool.close()
         trainer.close()
@@ -249,10 +253,13 @@ def run_eval(cfg: JobConfig, model_dir: str | None = None) -> dict[str, Any]:
 
         engine = make_engine(cfg.engine, path, seed=cfg.run.seed)
         pool = EnvPool(cfg.env.id, cfg.env.kwargs)
-        rollouts = Rollouts(engine, ChatTokenizer(path), pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
+        agent = agent_from_config(cfg)
+        await agent.start(engine, ChatTokenizer(path))
+        rollouts = Rollouts(engine, ChatTokenizer(path), pool, cfg.engine.max_len, cfg.rollout.max_concurrency, agent)
         try:
             trajs = await rollouts.evaluate(list(range(cfg.eval.episodes)), cfg.rollout.max_new_tokens)
         finally:
+            await agent.close()
             engine.close()
             pool.close()
         return {"model": str(path), **success_summary(trajs)}

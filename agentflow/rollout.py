@@ -12,7 +12,8 @@ import time
 from typing import Any
 
 import envs
-from agentflow.agent import EpisodeSpec, run_episode
+from agentflow.agent import EpisodeSpec
+from agentflow.agents import BaseAgent, Episode, WhiteBoxAgent
 from agentflow.chat import ChatTokenizer
 from agentflow.store import TrajectoryStore
 from agentflow.types import Group, InferenceEngine, SamplingParams, Trajectory
@@ -99,18 +100,21 @@ class Rollouts:
         pool: EnvPool,
         max_len: int,
         max_concurrency: int,
+        agent: BaseAgent | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.pool, self.max_len = engine, tokenizer, pool, max_len
         self.limit = asyncio.Semaphore(max_concurrency)
         self.engine_busy = BusyTracker()
         self.episodes = 0
+        self.agent = agent or WhiteBoxAgent()  # started by the job (agents.BaseAgent.start)
 
     async def episode(self, spec: EpisodeSpec, sampling: SamplingParams) -> Trajectory:
         async with self.limit:
             env = self.pool.acquire(spec.env_id, spec.env_kwargs)
             self.engine_busy.enter()
             try:
-                traj = await run_episode(self.engine, self.tokenizer, env, spec, sampling, self.max_len)
+                episode = Episode(spec, env, self.engine, self.tokenizer, sampling, self.max_len)
+                traj = await self.agent.run(episode)
             finally:
                 self.engine_busy.exit()
                 self.pool.release(env)

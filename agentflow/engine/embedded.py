@@ -144,6 +144,8 @@ class EmbeddedEngine:
         """Retraction counts of the last finished requests that had any (bounded)."""
         self._closed = False
         self._version = 0
+        self.abort_on_update = False
+        """Partial rollouts recycled: a weight update aborts generations that already hold old-version tokens."""
         self._stats: dict[str, float] = {
             "decode_steps": 0,
             "prefills": 0,
@@ -568,6 +570,13 @@ class EmbeddedEngine:
     def _do_update(self, version: int, named_tensors: dict[str, Any]) -> None:
         self.model.load_(named_tensors)
         self._version = version
+        if self.abort_on_update:  # requests with no token yet simply start under the new version
+            taken = self._take_all()
+            for req in taken:
+                if req.output:
+                    self._finish(req, "abort")
+            with self._cv:
+                self._waiting.extendleft(reversed([r for r in taken if not r.output]))
         if not self.keep_cache_on_update:
             self._do_flush()
 

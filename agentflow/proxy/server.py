@@ -1,0 +1,362 @@
+"""The OpenAI-compatible recording proxy (aiohttp, 127.0.0.1, a random per-run API key).
+
+Routes (every one needs ``Authorization: Bearer <key>``)::
+
+    GET  /v1/models                                     and  /{trajectory_id}/{attempt}/v1/models
+    POST /{trajectory_id}/{attempt}/v1/chat/completions  streaming (SSE) or not, tools, logprobs
+    POST /{trajectory_id}/{attempt}/tools/{name}         the env's tool for subprocess agents: {"arguments": {...}}
+
+A trajectory is opened with :meth:`ProxyServer.open` before its program runs and closed after; calls for an unknown
+trajectory id or a stale attempt are refused (404), so a program that outlives its episode cannot write into
+another one. Each call renders its messages with the model's chat template, generates token-in/token-out on the
+engine and is recorded by the trajectory's :class:`~agentflow.proxy.recorder.Recorder`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from agentflow.chat import ChatTokenizer
+from agentflow.proxy import wire
+from agentflow.proxy.recorder import Plan, Recorder
+from agentflow.proxy.types import SEGMENT_HEADER, CallRecord, ProxyError, ToolHandler
+from agentflow.types import GenerateResult, InferenceEngine, SamplingParams
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class _Session:
+    recorder: Recorder
+    tool_handler: ToolHandler | None = None
+
+
+class ProxyServer:
+    """Serves one engine to black-box programs and records their calls per trajectory.
+
+    ``recycle``: a generation aborted because the weights changed under it is run again from the same input
+    (``partial: recycle``); otherwise an engine abort fails the call with 503 ``engine_aborted``.
+    """
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer: ChatTokenizer,
+        model_name: str = "agentflow-policy",
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        recycle: bool = False,
+        max_recycles: int = 4,
+    ) -> None:
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.api_key = api_key or "sk-agentflow-" + secrets.token_urlsafe(24)
+        self.host, self.port = host, port
+        self.recycle, self.max_recycles = recycle, max_recycles
+        self._sessions: dict[str, tuple[int, _Session]] = {}
+        self._runner: web.AppRunner | None = None
+        self._streams = "on_token" in inspect.signature(engine.generate).parameters
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.refused = 0
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> ProxyServer:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=64 << 20)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/{tid}/{attempt}/v1/models", self.models)
+        app.router.add_post("/{tid}/{attempt}/v1/chat/completions", self.chat)
+        app.router.add_post("/{tid}/{attempt}/tools/{name}", self.tool)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> ProxyServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def base_url(self, trajectory_id: str, attempt: int = 0) -> str:
+        """The ``base_url`` an OpenAI client of this trajectory uses (ends in ``/v1``)."""
+        return f"{self.url}/{trajectory_id}/{attempt}/v1"
+
+    def tools_url(self, trajectory_id: str, attempt: int = 0) -> str:
+        return f"{self.url}/{trajectory_id}/{attempt}/tools"
+
+    # -------------------------------------------------------------------------------------------- sessions
+
+    def open(
+        self,
+        trajectory_id: str,
+        sampling: SamplingParams,
+        max_len: int,
+        attempt: int = 0,
+        client_sampling: bool = False,
+        tool_handler: ToolHandler | None = None,
+    ) -> Recorder:
+        """Start recording a trajectory attempt (a later attempt replaces an earlier one)."""
+        if "/" in trajectory_id or not trajectory_id:
+            raise ValueError(f"trajectory id must be non-empty and contain no '/': {trajectory_id!r}")
+        rec = Recorder(trajectory_id, attempt, self.tokenizer, sampling, max_len, client_sampling)
+        self._sessions[trajectory_id] = (attempt, _Session(rec, tool_handler))
+        return rec
+
+    def is_open(self, trajectory_id: str) -> bool:
+        return trajectory_id in self._sessions
+
+    def close(self, trajectory_id: str) -> Recorder:
+        """Stop accepting calls for the trajectory and return its record."""
+        _, session = self._sessions.pop(trajectory_id)
+        session.recorder.closed = True
+        return session.recorder
+
+    def _session(self, request: web.Request) -> _Session:
+        tid, attempt = request.match_info["tid"], request.match_info["attempt"]
+        entry = self._sessions.get(tid)
+        if entry is None or str(entry[0]) != attempt:
+            self.refused += 1
+            raise ProxyError(404, f"unknown trajectory {tid!r} (attempt {attempt})", "invalid_request_error",
+                             "unknown_trajectory")  # fmt: skip
+        return entry[1]
+
+    # ------------------------------------------------------------------------------------------ middleware
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            self.refused += 1
+            raise ProxyError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
+        return await handler(request)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ProxyError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:  # aiohttp's own 404/405: the same error shape
+            err = ProxyError(e.status, f"{e.reason}: {request.method} {request.path}", "invalid_request_error")
+            return web.json_response(err.body(), status=e.status)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # the proxy keeps serving; the program sees why
+            err = ProxyError(500, f"proxy error: {type(e).__name__}: {e}", "server_error", "internal_error")
+            return web.json_response(err.body(), status=500)
+
+    # ---------------------------------------------------------------------------------------------- routes
+
+    async def models(self, request: web.Request) -> web.Response:
+        if "tid" in request.match_info:
+            self._session(request)
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentflow"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def tool(self, request: web.Request) -> web.Response:
+        session = self._session(request)
+        if session.tool_handler is None:
+            raise ProxyError(404, "this trajectory has no env tools", code="no_tools")
+        body = await _json(request)
+        args = body.get("arguments", {}) if isinstance(body, dict) else None
+        if not isinstance(args, dict):
+            raise wire.bad("'arguments' must be a JSON object", "arguments")
+        try:
+            output, done = await session.tool_handler(request.match_info["name"], args)
+        except RuntimeError as e:
+            raise ProxyError(409, str(e), code="episode_over") from None
+        return web.json_response({"output": output, "done": done})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        session = self._session(request)
+        req = wire.parse_request(await _json(request))
+        if req.model != self.model_name:
+            raise ProxyError(404, f"The model '{req.model}' does not exist; this proxy serves '{self.model_name}'.",
+                             code="model_not_found", param="model")  # fmt: skip
+        rec = session.recorder
+        plan = rec.plan(req, request.headers.get(SEGMENT_HEADER))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if req.stream:
+                return await self._stream(request, rec, req, plan, t0)
+            res, engine_s, recycled = await self._generate(rec, req, plan)
+            reply = rec.reply_for(res.output_ids)
+            call = rec.commit(plan, res, reply, engine_s=engine_s, recycled=recycled)
+            plan = None  # committed: nothing to release
+            body = wire.completion(
+                wire.new_id("chatcmpl"), self.model_name, _public(reply), wire.finish_reason(reply, res.finish_reason),
+                wire.usage_of(len(call.input_ids), len(res.output_ids), res.cached_tokens), self._extra(req, call),
+            )  # fmt: skip
+            call.total_s = time.perf_counter() - t0
+            return web.json_response(body)
+        finally:
+            self.in_flight -= 1
+            if plan is not None and not req.stream:
+                rec.release(plan)
+
+    # ------------------------------------------------------------------------------------------- generation
+
+    async def _generate(
+        self, rec: Recorder, req: wire.ChatRequest, plan: Plan, on_token: Callable | None = None
+    ) -> tuple[GenerateResult, float, int]:
+        """Run the call on the engine; recycle generations aborted by a weight update when configured."""
+        sampling = rec.sampling_for(req, plan)
+        engine_s, recycled = 0.0, 0
+        while True:
+            version = self.engine.weight_version
+            rid = f"{rec.trajectory_id}:{rec.attempt}:{len(rec.calls)}:{recycled}"
+            t = time.perf_counter()
+            kwargs = {"on_token": on_token} if on_token is not None and self._streams else {}
+            res = await self.engine.generate(list(plan.input_ids), sampling, rid=rid, **kwargs)
+            engine_s += time.perf_counter() - t
+            if res.finish_reason != "abort":
+                return res, engine_s, recycled
+            if not (self.recycle and self.engine.weight_version != version and recycled < self.max_recycles):
+                raise ProxyError(503, "the engine aborted the generation", "server_error", "engine_aborted")
+            recycled += 1
+            if on_token is not None:
+                on_token(None, 0.0, -1)  # tell the stream to forget the aborted tokens
+
+    def _extra(self, req: wire.ChatRequest, call: CallRecord) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if req.logprobs:
+            toks = [self.tokenizer.decode([t]) for t in call.output_ids]
+            extra["logprobs"] = wire.logprobs_block(toks, call.logprobs)
+        if req.return_token_ids:
+            extra.update(token_ids=call.output_ids, prompt_token_ids=call.input_ids, weight_versions=call.versions)
+        return extra
+
+    async def _stream(
+        self, request: web.Request, rec: Recorder, req: wire.ChatRequest, plan: Plan, t0: float
+    ) -> web.StreamResponse:
+        """Server-sent events: content deltas as tokens arrive, tool calls and the finish reason at the end."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        cid, model = wire.new_id("chatcmpl"), self.model_name
+        committed = False
+        try:
+            await resp.prepare(request)
+            await _sse(resp, wire.chunk(cid, model, {"role": "assistant", "content": ""}))
+            streamer = _ContentStream(self.tokenizer)
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            task = asyncio.create_task(
+                self._generate(rec, req, plan, lambda *a: loop.call_soon_threadsafe(queue.put_nowait, a))
+            )
+            while not task.done() or not queue.empty():
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                delta = streamer.push(*getter.result())
+                if delta:
+                    await _sse(resp, wire.chunk(cid, model, {"content": delta}))
+            res, engine_s, recycled = task.result()
+            reply = rec.reply_for(res.output_ids)
+            reply["content"] = streamer.finish(res.output_ids, reply["content"])
+            for delta in streamer.pending:
+                await _sse(resp, wire.chunk(cid, model, {"content": delta}))
+            call = rec.commit(plan, res, reply, engine_s=engine_s, recycled=recycled)
+            committed = True
+            await self._stream_tail(resp, cid, req, call, reply, res)
+            call.total_s = time.perf_counter() - t0
+            return resp
+        except ProxyError as e:
+            if not resp.prepared:
+                raise
+            await _sse(resp, e.body())  # mid-stream: OpenAI sends the error as an event
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            if not committed:
+                rec.release(plan)
+
+    async def _stream_tail(self, resp, cid, req, call: CallRecord, reply, res: GenerateResult) -> None:
+        model = self.model_name
+        calls = wire.openai_tool_calls(reply)
+        if calls:
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+            await _sse(resp, wire.chunk(cid, model, delta))
+        await _sse(resp, wire.chunk(cid, model, {}, wire.finish_reason(reply, res.finish_reason),
+                                    **self._extra(req, call)))  # fmt: skip
+        if req.include_usage:
+            usage = wire.usage_of(len(call.input_ids), len(res.output_ids), res.cached_tokens)
+            body = wire.chunk(cid, model, {})
+            body["choices"], body["usage"] = [], usage
+            await _sse(resp, body)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+
+
+class _ContentStream:
+    """Incremental text of the model's tokens, up to its first tool call (tool calls are sent whole at the end)."""
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+        self.pending: list[str] = []
+
+    def push(self, token: int | None, logprob: float, version: int) -> str:
+        if token is None:  # the generation was recycled: the new one starts over (text already sent stays)
+            self.ids = []
+            return ""
+        self.ids.append(token)
+        if self.stopped or token in self.tokenizer.stop_ids:
+            return ""
+        text = self.tokenizer.decode(self.ids)
+        cut = text.find("<tool_call>")
+        if cut >= 0:
+            text, self.stopped = text[:cut], True
+        if text.endswith("\ufffd") or not text.startswith(self.sent):  # a partial UTF-8 character: wait
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+    def finish(self, output_ids: list[int], content: str) -> str:
+        """The content the program received in total; what is still missing of ``content`` goes to ``pending``."""
+        if content.startswith(self.sent) and len(content) > len(self.sent):
+            self.pending.append(content[len(self.sent) :])
+            self.sent = content
+        return self.sent
+
+
+async def _sse(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json(loads=json.loads)
+    except json.JSONDecodeError as e:
+        raise wire.bad(f"request body is not valid JSON ({e.msg} at position {e.pos})") from None
+
+
+def _public(reply: dict[str, Any]) -> dict[str, Any]:
+    return {"content": reply["content"], "tool_calls": reply.get("tool_calls", [])}
