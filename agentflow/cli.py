@@ -22,6 +22,10 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run an RL job (warm-up SFT, then RL) from a YAML config")
     train.add_argument("config", nargs="?", help="YAML config (defaults if omitted)")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. run.steps=10")
+
+    distill = sub.add_parser("distill", help="on-policy distillation from teachers routed by data source")
+    distill.add_argument("config", nargs="?", help="YAML config with a `teachers` section")
+    distill.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint and journal")
 
     ev = sub.add_parser("eval", help="greedy success on held-out tasks")
@@ -114,13 +118,21 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "envs":
         return _run_envs(args)
-    from agentflow.config import load_config
+    from agentflow.config import ConfigError, load_config
 
     config, overrides = _split_config(args)
     resume = getattr(args, "resume", None)
     if resume:
         config, overrides = _resume_config(resume, config, overrides)
     cfg = load_config(config, overrides)
+    if args.cmd == "distill" or (args.cmd == "train" and cfg.teachers.models):
+        from agentflow.distill import run_distill
+
+        if getattr(args, "resume", None):
+            raise ConfigError("--resume does not support distillation jobs yet")
+        summary = run_distill(cfg)
+        print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=2))
+        return 0
     if args.cmd == "train":
         from agentflow.job import run_job
         from trainer.launcher import TrainerError

@@ -204,6 +204,45 @@ class EvalConfig(Section):
     """Evaluate every N RL steps (0: only before and after RL)."""
 
 
+class TeacherModelConfig(Section):
+    name: str
+    """Name the routes refer to."""
+    path: str | None = None
+    """Local Hugging Face model directory (scored by an embedded engine loaded on demand)."""
+    url: str | None = None
+    """SGLang-protocol server URL instead of ``path`` (scored over HTTP)."""
+    tokenizer: str | None = None
+    """Directory with the teacher's tokenizer.json (default: ``path``; required with ``url``), checked against the
+    student's before the job starts."""
+
+
+class TeachersConfig(Section):
+    models: list[TeacherModelConfig] = Field(default_factory=list)
+    """The teachers; none: no distillation."""
+    routes: dict[str, str | dict[str, float]] = Field(default_factory=dict)
+    """Data-source tag -> teacher name, or ``{teacher: weight}`` for a weighted mix; tag ``default`` catches
+    sources without a routed tag."""
+    mix: Literal["probs", "sample"] = "probs"
+    """A mixed route's teachers: per-token mixture of probabilities, or one teacher per sequence drawn by weight."""
+    max_resident: int = Field(1, ge=1)
+    """Teachers loaded at once; idle ones are released and reloaded on demand."""
+    release: Literal["free", "offload"] = "free"
+    """Idle teachers: closed and freed (reloaded from disk), or offloaded by scorers that can (GPU -> CPU)."""
+    top_k: int = Field(8, ge=1)
+    """Teacher alternatives per position for the top-k KL (``loss_estimator: topk``)."""
+    env_reward_coef: float = Field(0.0, ge=0)
+    """Scale of the environment-reward (GRPO) advantage beside the teachers' signal (0: pure distillation)."""
+    reward_coef: float = Field(1.0, ge=0)
+    """Per-token reward ``-coef * reverse KL`` added to the advantage (policy-gradient distillation)."""
+    reward_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Reverse-KL estimate used as that reward."""
+    loss_coef: float = Field(0.0, ge=0)
+    """Weight of the reverse KL to the teacher as a loss term (GKD style)."""
+    loss_estimator: Literal["k1", "k2", "k3", "topk"] = "topk"
+    """Estimator of that loss term: sampled-token k1/k2/k3, or the exact KL over the teacher's top-k tokens."""
+
+
+
 class RunConfig(Section):
     dir: str = "runs/demo"
     """Run directory: config, journal, metrics, checkpoints, summary."""
@@ -237,6 +276,8 @@ class JobConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    teachers: TeachersConfig = Field(default_factory=TeachersConfig)
+    """On-policy distillation from teachers routed by data-source tag (``agentflow distill``)."""
     transfer: dict[str, Any] = Field(default_factory=lambda: {"type": "inprocess"})
     """TransferMesh weight transport, tagged by ``type`` (inprocess | gloo | http); see transfer_mesh/transport.py."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,10 @@ async def rl_loop(
     trainer_busy: BusyTracker,
     ref_engine: InferenceEngine | None = None,
     resume: ResumeState | None = None,
+    annotate: Callable[[list[Group], list[Sample]], None] | None = None,
 ) -> LoopResult:
+    """The RL loop; ``annotate(batch, samples)`` (optional, run in a thread) adds to the samples before training,
+    e.g. teacher log-probs for distillation."""
     sync = cfg.run.mode == "sync"
     sampling = SamplingParams(
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens
@@ -56,6 +60,8 @@ async def rl_loop(
             samples = to_samples(batch, drop_uniform=cfg.trainer.drop_uniform_groups)
             if ref_engine is not None:  # KL to the reference policy, scored by a never-updated engine
                 await asyncio.to_thread(score_reference, ref_engine, samples)
+            if annotate is not None:
+                await asyncio.to_thread(annotate, batch, samples)
             trainer_busy.enter()
             metrics = await asyncio.to_thread(trainer.train_step, samples, cfg.trainer.loss)  # rollouts go on
             version, sync = await sync_weights(trainer, transport)  # TransferMesh: trainer -> engines

@@ -25,6 +25,9 @@ class MicroBatch:
     """Index of each row's sample in the list given to :func:`make_micro_batches`."""
     old_logprobs: torch.Tensor | None = None  # [b, s-1], when recomputed before the update
     ref_logprobs: torch.Tensor | None = None  # [b, s-1], when every sample carries them
+    teacher_logprobs: torch.Tensor | None = None  # [b, s-1], when every sample carries them
+    teacher_top_ids: torch.Tensor | None = None  # [b, s-1, k] long, when every sample carries them
+    teacher_top_logprobs: torch.Tensor | None = None  # [b, s-1, k]
 
     def attention_mask(self) -> torch.Tensor:
         """[b, s] ones over each row's real tokens, zeros over right padding."""
@@ -81,6 +84,7 @@ def _collate(samples, rows, advantages, masks, old, pad_id) -> MicroBatch:
         if with_ref:
             arrays["ref"][r, : n - 1] = _row(x.ref_logprobs, n)
     mask = arrays["mask"]
+    teacher = _teacher_arrays([samples[i] for i in rows], s)
     return MicroBatch(
         input_ids=ids,
         target_mask=mask,
@@ -91,4 +95,28 @@ def _collate(samples, rows, advantages, masks, old, pad_id) -> MicroBatch:
         rows=list(rows),
         old_logprobs=arrays["old"] if old is not None else None,
         ref_logprobs=arrays["ref"] if with_ref else None,
+        **teacher,
     )
+
+
+def _teacher_arrays(samples: list[Sample], s: int) -> dict[str, torch.Tensor]:
+    """Teacher log-probs (and top-k lists) as target-aligned tensors, when every row carries them."""
+    out: dict[str, torch.Tensor] = {}
+    if all(x.teacher_logprobs is not None for x in samples):
+        lp = torch.zeros(len(samples), s - 1)
+        for r, x in enumerate(samples):
+            lp[r, : len(x.token_ids) - 1] = _row(x.teacher_logprobs, len(x.token_ids))
+        out["teacher_logprobs"] = lp
+    if all(x.teacher_top_ids is not None and x.teacher_top_logprobs is not None for x in samples):
+        k = max((len(row) for x in samples for row in x.teacher_top_ids), default=0)
+        ids = torch.zeros(len(samples), s - 1, k, dtype=torch.long)
+        lps = torch.zeros(len(samples), s - 1, k)
+        for r, x in enumerate(samples):
+            for t in range(1, len(x.token_ids)):  # row t-1 predicts token t
+                top, vals = x.teacher_top_ids[t], x.teacher_top_logprobs[t]
+                if len(top) != k and x.loss_mask[t]:
+                    raise ValueError(f"sample {x.sample_id!r}: {len(top)} top-k entries at token {t}, expected {k}")
+                ids[r, t - 1, : len(top)] = torch.tensor(top, dtype=torch.long)
+                lps[r, t - 1, : len(vals)] = torch.tensor(vals, dtype=torch.float32)
+        out["teacher_top_ids"], out["teacher_top_logprobs"] = ids, lps
+    return out

@@ -19,6 +19,12 @@ How each departs from its paper:
   one update per batch, the current log-probs detached (identical values, one pass fewer).
 * **KL to a reference** through engine scoring: ``k1 = logp - ref``, ``k2 = (logp - ref)^2 / 2``,
   ``k3 = exp(ref - logp) - 1 - (ref - logp)``, each per token with the same token-level averaging.
+* **Distillation from teachers** (on-policy: the student's own samples scored by a teacher): as a per-token reward
+  ``-distill_reward_coef * k(behaviour, teacher)`` added to the advantage (policy-gradient style, no group
+  normalisation, no discounting: each token is credited with its own reverse-KL estimate), and/or as a loss term
+  ``distill_loss_coef * KL`` (GKD style) with the k1/k2/k3 estimators above (teacher in place of the reference) or
+  ``topk``: the reverse KL between both distributions coarsened to the teacher's top-k tokens plus one tail bucket.
+  ``env_reward_coef`` scales the environment-reward advantage (0: pure distillation).
 * **Entropy bonus**: ``- entropy_coef * H`` per token.
 * **Turn-level credit** (after RTPO): per-turn returns ``G_k = sum_{j >= k} gamma^(j-k) r_j`` normalised within the
   group at each turn index; the trainer updates turn by turn in reverse order (last turn first), one optimizer step
@@ -75,8 +81,29 @@ def plan_advantages(samples: list[Sample], cfg: LossSettings) -> AdvantagePlan:
     gids = [s.group_id or s.sample_id for s in samples]
     if not cfg.turn_credit:
         adv = group_advantages([s.reward for s in samples], gids)
-        return AdvantagePlan([[a] * len(s.token_ids) for a, s in zip(adv, samples, strict=True)], [_full(samples)])
-    return _turn_plan(samples, gids, cfg.gamma)
+        plan = AdvantagePlan([[a] * len(s.token_ids) for a, s in zip(adv, samples, strict=True)], [_full(samples)])
+    else:
+        plan = _turn_plan(samples, gids, cfg.gamma)
+    if cfg.env_reward_coef != 1.0:
+        plan.advantages = [[cfg.env_reward_coef * a for a in row] for row in plan.advantages]
+    if cfg.distill_reward_coef > 0:
+        for row, s in zip(plan.advantages, samples, strict=True):
+            for t, r in enumerate(distill_rewards(s, cfg.distill_reward_estimator)):
+                row[t] += cfg.distill_reward_coef * r
+    return plan
+
+
+def distill_rewards(sample: Sample, estimator: str) -> list[float]:
+    """Per-token reward ``-k(behaviour, teacher)`` at the model's tokens (0 elsewhere): the reverse KL to the
+    teacher estimated from the token the student sampled (k1: ``teacher - behaviour``)."""
+    if sample.teacher_logprobs is None:
+        raise ValueError(f"sample {sample.sample_id!r} has no teacher log-probs (distill_reward_coef > 0)")
+    if len(sample.teacher_logprobs) != len(sample.token_ids):
+        raise ValueError(f"sample {sample.sample_id!r}: teacher log-probs are not aligned with its tokens")
+    beh = torch.tensor(sample.behaviour_logprobs, dtype=torch.float64)
+    teacher = torch.tensor(sample.teacher_logprobs, dtype=torch.float64)
+    mask = torch.tensor(sample.loss_mask, dtype=torch.float64)
+    return (-kl_penalty(beh, teacher, estimator) * mask).tolist()
 
 
 def _full(samples: list[Sample]) -> list[list[int]]:
@@ -185,6 +212,38 @@ class LossInputs:
     mask: torch.Tensor
     ref: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    teacher: torch.Tensor | None = None
+    """Teacher log-probs of the target tokens ``[b, s-1]``."""
+    teacher_top: torch.Tensor | None = None
+    """Teacher log-probs of its top-k tokens ``[b, s-1, k]``."""
+    student_top: torch.Tensor | None = None
+    """The student's (differentiable) log-probs of the same top-k tokens ``[b, s-1, k]``."""
+
+
+def topk_reverse_kl(student_top: torch.Tensor, teacher_top: torch.Tensor) -> torch.Tensor:
+    """``KL(s || t)`` per position ``[b, s-1]`` over the teacher's top-k tokens plus one bucket for every other token.
+
+    Inputs are log-probs of the same k tokens ``[b, s-1, k]``. The tail bucket holds ``1 - sum(top)``, so the term
+    also pulls the student's mass onto the teacher's support; by the data-processing inequality it is a lower bound
+    of the full reverse KL, exact when the teacher's mass is all in its top-k."""
+
+    def with_tail(top: torch.Tensor) -> torch.Tensor:
+        tail = torch.log((-torch.expm1(torch.logsumexp(top, -1, keepdim=True))).clamp(min=1e-12))
+        return torch.cat([top, tail], dim=-1)
+
+    log_s, log_t = with_tail(student_top), with_tail(teacher_top)
+    return (log_s.exp() * (log_s - log_t)).sum(-1)
+
+
+def distill_loss(x: LossInputs, cfg: LossSettings, mask: torch.Tensor) -> torch.Tensor:
+    """Summed per-token reverse KL to the teacher (masked); divide by the token count."""
+    if cfg.distill_loss_estimator == "topk":
+        if x.teacher_top is None or x.student_top is None:
+            raise ValueError("the top-k distillation loss needs the teacher's top-k log-probs on every sample")
+        return (topk_reverse_kl(x.student_top, x.teacher_top) * mask).sum()
+    if x.teacher is None:
+        raise ValueError("distill_loss_coef > 0 needs teacher log-probs on every sample")
+    return (kl_penalty(x.logp, x.teacher, cfg.distill_loss_estimator) * mask).sum()
 
 
 def policy_loss(
@@ -211,6 +270,12 @@ def policy_loss(
         kl = kl_penalty(x.logp, x.ref, cfg.kl_estimator) * mask
         loss = loss + cfg.kl_coef * kl.sum() / denom_tokens
         metrics["kl_ref"] = kl.detach().sum()
+    if cfg.distill_loss_coef > 0:
+        kl_t = distill_loss(x, cfg, mask)
+        loss = loss + cfg.distill_loss_coef * kl_t / denom_tokens
+        metrics["distill_kl"] = kl_t.detach()
+    if x.teacher is not None:
+        metrics["teacher_k1"] = ((x.logp.detach() - x.teacher) * mask).sum()
     if cfg.entropy_coef > 0:
         if x.entropy is None:
             raise ValueError("entropy_coef > 0 needs per-token entropies")

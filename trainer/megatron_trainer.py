@@ -32,6 +32,7 @@ from trainer.model import (
     save_hf_dir,
     token_logprobs,
     token_logprobs_and_entropy,
+    token_logprobs_at,
 )
 from trainer.parallel import ParallelAdamW, allreduce_grads, allreduce_sum, shard_for_dp
 from trainer.types import LossSettings, Sample, TrainerSettings
@@ -215,8 +216,14 @@ class MegatronTrainer:
             value = sft_loss(logp, mb.target_mask, denom)
             value.backward()
             return {"loss": float(value.detach()) * denom}
-        entropy = None
-        if cfg.entropy_coef > 0:
+        entropy = student_top = None
+        topk = cfg.distill_loss_coef > 0 and cfg.distill_loss_estimator == "topk"
+        if topk and (cfg.entropy_coef > 0 or self.settings.temperature != 1.0 or mb.teacher_top_ids is None):
+            raise ValueError("the top-k distillation loss needs temperature 1, no entropy bonus and teacher top-k ids")
+        if topk:
+            logp, student_top = token_logprobs_at(self.model, mb.input_ids, mb.teacher_top_ids, mb.attention_mask())
+        elif cfg.entropy_coef > 0:
+
             if self.settings.temperature != 1.0:
                 raise ValueError("the entropy bonus is defined at temperature 1; set rollout.temperature=1")
             logp, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask())
@@ -227,6 +234,7 @@ class MegatronTrainer:
         else:  # one update per batch: old == current (detached); several without recompute: the behaviour policy
             old = logp.detach() if single else mb.behaviour_logprobs
         x = LossInputs(logp, old, mb.behaviour_logprobs, mb.advantages, mb.target_mask, mb.ref_logprobs, entropy)
+        x.teacher, x.teacher_top, x.student_top = mb.teacher_logprobs, mb.teacher_top_logprobs, student_top
         value, metrics = policy_loss(x, cfg, denom, seqs)
         value.backward()
         out = {k: float(v) for k, v in metrics.items()}

@@ -487,6 +487,21 @@ def token_logprobs(
     return _mask_targets(logp.to(input_ids.device), attention_mask)
 
 
+def token_logprobs_at(
+    model: GPTModel, input_ids: Tensor, extra_ids: Tensor, attention_mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-token log-probs (as :func:`token_logprobs`, temperature 1) and the log-probs of ``extra_ids``
+    ``[b, s-1, k]`` at each position (the teacher's top-k tokens, for a top-k KL). Vocab shards are gathered
+    under TP."""
+    logits = _logits(model, input_ids, attention_mask)[:, :-1]
+    if tp_rank_and_size()[1] > 1:
+        logits = _GatherLastDim.apply(logits)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, 1:].to(logits.device).unsqueeze(-1)).squeeze(-1)
+    extra = logp_all.gather(-1, extra_ids.to(logits.device))
+    return _mask_targets(logp.to(input_ids.device), attention_mask), extra.to(input_ids.device)
+
+
 def token_logprobs_and_entropy(
     model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:

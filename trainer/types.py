@@ -24,6 +24,12 @@ class Sample:
     sample_id: str = ""
     ref_logprobs: list[float] | None = None
     """Reference-policy log-prob of each token given its prefix (position 0 unused), for the KL term."""
+    teacher_logprobs: list[float] | None = None
+    """Teacher log-prob of each token given its prefix (position 0 unused), for the distillation signals."""
+    teacher_top_ids: list[list[int]] | None = None
+    """The teacher's top-k token ids at each position (the distribution predicting token t; position 0 empty)."""
+    teacher_top_logprobs: list[list[float]] | None = None
+    """The teacher's log-probs of ``teacher_top_ids``, for the top-k KL."""
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     """[start, end) of each model turn's tokens, for turn-level credit."""
     turn_rewards: list[float] = field(default_factory=list)
@@ -81,6 +87,16 @@ class LossSettings:
     entropy_coef: float = 0.0
     turn_credit: bool = False
     gamma: float = 1.0
+    env_reward_coef: float = 1.0
+    """Scale of the environment-reward advantage (0: pure distillation)."""
+    distill_reward_coef: float = 0.0
+    """Per-token reward ``-coef * KL_t(behaviour || teacher)`` added to the advantage (policy-gradient distillation)."""
+    distill_reward_estimator: str = "k1"
+    """k1 | k2 | k3: the per-token reverse-KL estimate used as that reward."""
+    distill_loss_coef: float = 0.0
+    """Weight of the reverse KL to the teacher as a loss term (GKD style)."""
+    distill_loss_estimator: str = "topk"
+    """k1 | k2 | k3 (sampled tokens) | topk (reverse KL over the teacher's top-k tokens plus a tail bucket)."""
 
     def __post_init__(self) -> None:
         if self.name not in ("grpo", "dapo", "gspo", "sft"):
@@ -91,6 +107,17 @@ class LossSettings:
             raise ValueError(f"unknown kl_estimator {self.kl_estimator!r}")
         if self.minibatches < 1:
             raise ValueError("minibatches must be >= 1")
+        if self.distill_reward_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"unknown distill_reward_estimator {self.distill_reward_estimator!r}; k1, k2 or k3")
+        if self.distill_loss_estimator not in ("k1", "k2", "k3", "topk"):
+            raise ValueError(f"unknown distill_loss_estimator {self.distill_loss_estimator!r}; k1, k2, k3 or topk")
+        if min(self.env_reward_coef, self.distill_reward_coef, self.distill_loss_coef) < 0:
+            raise ValueError("env_reward_coef, distill_reward_coef and distill_loss_coef must be >= 0")
+
+    @property
+    def distills(self) -> bool:
+        """Whether the objective uses teacher log-probs."""
+        return self.distill_reward_coef > 0 or self.distill_loss_coef > 0
 
 
 @dataclass

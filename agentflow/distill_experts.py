@@ -1,0 +1,27 @@
+"""Scripted experts the distillation demo trains its teachers with (kept apart so SFT cache keys stay stable).
+
+The SFT cache keys on the expert module's source, so these live in a small file that changes only when the
+experts do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from envs.core import answer_action, tool_action
+from envs.retrieval import expert_action as retrieval_expert
+
+
+def calc_expert(env: Any, history: list[tuple[str, str]]) -> str:
+    """A correct expert for ``agentflow/Calc-v0`` (unlike envs.demo's, it reads every operand right)."""
+    task = env.unwrapped.task
+    if history:
+        return answer_action(history[-1][1].strip())
+    return tool_action("calc", {"expression": task.expression})
+
+
+def qa_expert(env: Any, history: list[tuple[str, str]]) -> str:
+    """envs.retrieval's expert, asking for one document per search (the first hit is the right one on the
+    ``single_hop`` task set): shorter traces, cheaper to train on two cores."""
+    action = retrieval_expert(env, history)
+    return action.replace('"k": 3', '"k": 1')

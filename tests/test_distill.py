@@ -1,0 +1,199 @@
+"""Distillation signals in the trainer and the distill job's pre-flight checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from agentflow.cli import main
+from agentflow.distill import EngineScorer, attach_teacher_scores
+from agentflow.model_init import ModelInitConfig, _init_weights, init_model
+from agentflow.types import Group, Segment, Trajectory
+from teachers.manager import TeacherManager
+from teachers.routing import Router, parse_routes
+from teachers.types import TeacherSpec
+from trainer.losses import LossInputs, plan_advantages, policy_loss, topk_reverse_kl
+from trainer.types import LossSettings, Sample, TrainerSettings
+
+TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A student and a teacher with the student's tokenizer and sharper, different weights."""
+    root = tmp_path_factory.mktemp("pair")
+    student = init_model(root / "student", TINY)
+    teacher = root / "teacher"
+    shutil.copytree(student, teacher)
+    weights = _init_weights(replace(TINY, seed=7))
+    weights = {k: v * 10.0 if "proj" in k or "embed" in k else v for k, v in weights.items()}
+    save_file(weights, str(teacher / "model.safetensors"), metadata={"format": "pt"})
+    return student, teacher
+
+
+def _sample(n: int = 10) -> Sample:
+    mask = [0] * 4 + [1] * (n - 4)
+    beh = [-1.0 * m for m in mask]
+    s = Sample(list(range(5, 5 + n)), mask, beh, 1.0, "g", "s0")
+    s.teacher_logprobs = [-0.5 * m for m in mask]
+    return s
+
+
+def test_distill_reward_is_teacher_minus_behaviour_on_model_tokens():
+    s = _sample()
+    other = replace(_sample(), reward=0.0, sample_id="s1")
+    plan = plan_advantages([s, other], LossSettings(env_reward_coef=0.0, distill_reward_coef=2.0))
+    assert plan.advantages[0] == [0.0] * 4 + [2.0 * (-0.5 - -1.0)] * 6  # k1: teacher - behaviour, masked
+    with_env = plan_advantages([s, other], LossSettings(distill_reward_coef=2.0))
+    assert with_env.advantages[0][5] == pytest.approx(1.0 + 1.0)  # GRPO advantage (+1) plus the teacher reward
+    k3 = plan_advantages([s, other], LossSettings(env_reward_coef=0.0, distill_reward_coef=1.0,
+                                                  distill_reward_estimator="k3"))  # fmt: skip
+    d = -1.0 - -0.5
+    assert k3.advantages[0][5] == pytest.approx(-(torch.exp(torch.tensor(-d)) - 1 + d).item())
+
+
+def test_distill_reward_without_teacher_logprobs_is_an_error():
+    s = _sample()
+    s.teacher_logprobs = None
+    with pytest.raises(ValueError, match="has no teacher log-probs"):
+        plan_advantages([s], LossSettings(distill_reward_coef=1.0))
+
+
+def test_topk_reverse_kl_is_zero_only_when_the_distributions_agree():
+    full = torch.log_softmax(torch.randn(2, 3, 50, generator=torch.Generator().manual_seed(0)), -1)
+    top = full.topk(5, dim=-1).values
+    assert torch.allclose(topk_reverse_kl(top, top), torch.zeros(2, 3), atol=1e-6)
+    assert (topk_reverse_kl(top.flip(-1), top) > 0).all()
+    assert (topk_reverse_kl(top - 1.0, top) > 0).all()  # less mass on the teacher's support costs too
+    exact = (full.exp() * (full - full.roll(1, -1))).sum(-1)  # full KL(s || t) with t = s shifted
+    coarse = topk_reverse_kl(full.gather(-1, top_idx := full.topk(5, -1).indices), full.roll(1, -1).gather(-1, top_idx))
+    assert (coarse <= exact + 1e-6).all()  # a lower bound of the full reverse KL
+
+
+def test_distill_loss_term_is_added_to_the_policy_loss():
+    b, s = 1, 6
+    logp = torch.full((b, s), -1.0, requires_grad=True)
+    zeros, mask = torch.zeros(b, s), torch.ones(b, s)
+    x = LossInputs(logp, logp.detach(), logp.detach(), zeros, mask, teacher=torch.full((b, s), -0.25))
+    base, _ = policy_loss(x, LossSettings(off_policy="none"), 6.0, 1.0)
+    loss, metrics = policy_loss(
+        x, LossSettings(off_policy="none", distill_loss_coef=0.5, distill_loss_estimator="k2"), 6.0, 1.0
+    )
+    assert float(loss - base) == pytest.approx(0.5 * 0.5 * 0.75**2)
+    assert float(metrics["teacher_k1"]) == pytest.approx(6 * -0.75)
+    with pytest.raises(ValueError, match="top-k log-probs"):
+        policy_loss(x, LossSettings(distill_loss_coef=0.5), 6.0, 1.0)
+
+
+def _on_policy_samples(engine, teacher: Path, n: int, top_k: int, seed: int) -> list[Sample]:
+    """Sequences sampled by the student (real engine, behaviour log-probs) and scored by the teacher."""
+    from agentflow.types import SamplingParams
+
+    futures = [engine.submit([5 + i, 9, 11], SamplingParams(max_new_tokens=12, seed=seed + i)) for i in range(n)]
+    samples, groups = [], []
+    for i, r in enumerate(f.result() for f in futures):
+        ids = [5 + i, 9, 11, *r.output_ids]
+        mask = [0, 0, 0] + [1] * len(r.output_ids)
+        samples.append(Sample(ids, mask, [0.0] * 3 + r.logprobs, 0.0, f"g{i}", f"t{i}/0"))
+        seg = Segment(token_ids=ids, loss_mask=mask)
+        groups.append(Group(f"g{i}", i, [Trajectory(f"t{i}", "task", f"g{i}", "e", "src", ["calc"], [seg])]))
+    specs = [TeacherSpec("calc", path=str(teacher))]
+    manager = TeacherManager(specs, Router(specs, parse_routes({"calc": "calc"})), lambda s: EngineScorer(s.path), 1)
+    manager.top_k = top_k
+    try:
+        attach_teacher_scores(manager, groups, samples)
+    finally:
+        manager.close()
+    return samples
+
+
+@pytest.fixture(scope="module")
+def scored(pair) -> list[Sample]:
+    from agentflow.engine.embedded import EmbeddedEngine
+
+    student, teacher = pair
+    with EmbeddedEngine(student, max_slots=16, max_len=64) as engine:
+        return _on_policy_samples(engine, teacher, 16, top_k=8, seed=0)
+
+
+def test_topk_loss_steps_lower_the_kl_to_the_teacher(pair, scored):
+    from trainer.megatron_trainer import MegatronTrainer
+
+    assert all(len(s.teacher_top_ids[t]) == 8 for s in scored for t in range(1, len(s.token_ids)))
+    loss = LossSettings(env_reward_coef=0.0, distill_loss_coef=1.0, off_policy="none")
+    trainer = MegatronTrainer(pair[0], TrainerSettings(lr=1e-2, threads=1, loss=loss))
+    kls = [trainer.train_step(scored)["distill_kl"] for _ in range(10)]  # the batch's KL before each update
+    assert kls[-1] < 0.8 * kls[0] and all(b < a for a, b in zip(kls, kls[1:])), kls
+
+
+def test_k1_reward_raises_tokens_the_teacher_prefers_and_lowers_the_others(pair, scored):
+    from trainer.megatron_trainer import MegatronTrainer
+
+    loss = LossSettings(env_reward_coef=0.0, distill_reward_coef=1.0, off_policy="none")
+    trainer = MegatronTrainer(pair[0], TrainerSettings(lr=3e-3, threads=1, loss=loss))
+    before = [trainer.sequence_logprobs(s.token_ids) for s in scored]
+    for _ in range(3):
+        trainer.train_step(scored)
+    up = down = 0.0
+    for s, old in zip(scored, before, strict=True):
+        new = trainer.sequence_logprobs(s.token_ids)
+        for t in range(1, len(s.token_ids)):
+            if s.loss_mask[t]:
+                change = new[t - 1] - old[t - 1]  # position t-1 predicts token t
+                reward = s.teacher_logprobs[t] - s.behaviour_logprobs[t]
+                up, down = (up + change, down) if reward > 0 else (up, down + change)
+    assert up > 0 > down, (up, down)
+
+
+def _write_config(tmp_path: Path, student: Path, teachers: list[dict], routes: dict) -> Path:
+    cfg = {
+        "model": {"path": str(student), "init_if_missing": False},
+        "data": {"sources": [{"env_id": "agentflow/Calc-v0", "tags": ["calc"]}]},
+        "sft": {"enabled": False},
+        "trainer": {"drop_uniform_groups": False},
+        "run": {"dir": str(tmp_path / "run")},
+        "teachers": {"models": teachers, "routes": routes},
+    }
+    path = tmp_path / "distill.yaml"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "teacher 'calc': model directory not found"),
+        ("unknown_route", "route 'calc' -> unknown teacher 'calk'"),
+        ("no_route", "data source 'agentflow/Calc-v0:default' with tags"),
+        ("tokenizer", "teacher 'calc': its tokenizer .* differs from the student's"),
+    ],
+)
+def test_bad_teacher_setups_fail_before_the_job_starts(pair, tmp_path, capsys, case, message):
+    student, teacher = pair
+    path = str(teacher)
+    routes: dict = {"calc": "calc"}
+    if case == "missing":
+        path = str(tmp_path / "gone")
+    elif case == "unknown_route":
+        routes = {"calc": "calk"}
+    elif case == "no_route":
+        routes = {"qa": "calc"}
+    else:
+        odd = tmp_path / "odd"
+        shutil.copytree(teacher, odd)
+        tok = json.loads((odd / "tokenizer.json").read_text())
+        tok["model"]["merges"] = tok["model"]["merges"][:-1]
+        (odd / "tokenizer.json").write_text(json.dumps(tok))
+        path = str(odd)
+    config = _write_config(tmp_path, student, [{"name": "calc", "path": path}], routes)
+    assert main(["distill", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("agentflow: error: teachers: ")
+    assert __import__("re").search(message, err), err
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
