@@ -93,3 +93,21 @@ def test_forward_paths_match_hf(hf_pair) -> None:
     torch.testing.assert_close(logits[1], ref[5], atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="max_len"):
         model.prefill(cache, 0, ids, 20)
+
+
+@pytest.mark.parametrize("slots", [[4, 0, 2], [0, 7]], ids=["slot-range-with-holes", "sparse-gather"])
+def test_decode_over_fragmented_slots_matches_full_forward(hf_pair, slots: list[int]) -> None:
+    """Decoding slots out of order, with idle slots between them (view path) or far apart (gather path)."""
+    _, path = hf_pair
+    model = load_hf_dir(path)
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 128, (n,), generator=gen) for n in (9, 14, 6)][: len(slots)]
+    cache = KVCache(model.config, max_slots=8, max_len=32)
+    cache.data.normal_(generator=gen)  # stale keys in idle slots must not leak into anyone's attention
+    for slot, seq in zip(slots, seqs, strict=True):
+        model.prefill(cache, slot, seq[:-1], 0)
+    logits = model.decode(
+        cache, torch.tensor(slots), torch.stack([s[-1] for s in seqs]), torch.tensor([len(s) - 1 for s in seqs])
+    )
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(logits[row], model.forward_full(seq)[-1], atol=2e-5, rtol=0)

@@ -35,8 +35,31 @@ def truncate(logp: Tensor, top_k: int, top_p: float) -> Tensor:
 
 def sample_token(logp: Tensor, sampling: SamplingParams, generator: torch.Generator) -> int:
     """Draw one token from the tempered log-probs ``logp [V]`` after truncation, using the request's generator."""
-    probs = truncate(logp, sampling.top_k, sampling.top_p)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return sample_batch_tokens(logp[None], [sampling], [generator])[0]
+
+
+def _uniforms(generators: Sequence[torch.Generator]) -> Tensor:
+    """One uniform draw per row from that row's own generator (so each request's stream is reproducible)."""
+    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+
+
+def sample_batch_tokens(
+    logp: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> list[int]:
+    """Inverse-CDF sampling of every row of tempered log-probs ``logp [B, V]`` in one vectorised pass.
+
+    Rows with top-k/top-p are truncated one by one (rare); untruncated rows need no per-row work. One uniform per
+    row keeps requests independent of their batch neighbours, as separate ``multinomial`` calls did, for a fraction
+    of the per-row dispatch cost (it dominated decode steps of small models).
+    """
+    probs = torch.exp(logp.to(torch.float64))
+    for i, p in enumerate(params):
+        if p.top_k > 0 or p.top_p < 1.0:
+            probs[i] = truncate(logp[i], p.top_k, p.top_p).to(torch.float64)
+    cdf = torch.cumsum(probs, dim=-1)
+    target = _uniforms(generators) * cdf[:, -1]
+    tokens = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    return tokens.clamp_(max=logp.shape[-1] - 1).tolist()
 
 
 def sample_batch(
@@ -48,8 +71,9 @@ def sample_batch(
     """
     logp = behaviour_logprobs(logits, [p.temperature for p in params])
     tokens = logits.argmax(dim=-1)  # greedy rows; sampled rows are replaced below
-    for i, (p, g) in enumerate(zip(params, generators, strict=True)):
-        if p.temperature != 0:
-            tokens[i] = sample_token(logp[i], p, g)
+    rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    if rows:
+        picks = sample_batch_tokens(logp[rows], [params[i] for i in rows], [generators[i] for i in rows])
+        tokens[rows] = torch.tensor(picks, dtype=tokens.dtype)
     picked = logp.gather(1, tokens[:, None])[:, 0]
     return list(zip(tokens.tolist(), picked.tolist(), strict=True))
