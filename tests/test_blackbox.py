@@ -1,0 +1,200 @@
+"""Black-box agents end to end: the runner with Python and subprocess programs on the real Calc env, the same tokens
+as the white-box loop, crashes and hangs, a short RL job with ``agent.type: blackbox``, partial rollouts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from test_proxy_model import TINY, tool_model_dir
+
+import envs
+from agentflow.agent import EpisodeSpec, run_episode
+from agentflow.agents import BlackBoxAgent, Episode, WhiteBoxAgent, make_agent, registered_agents
+from agentflow.chat import ChatTokenizer
+from agentflow.config import load_config
+from agentflow.controller import batch_metrics
+from agentflow.engine.embedded import EmbeddedEngine
+from agentflow.model_init import init_model
+from agentflow.proxy import ProxyServer
+from agentflow.proxy.runner import BlackBoxRunner, CallableProgram, SubprocessProgram
+from agentflow.store import Journal
+from agentflow.types import Group, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory):
+    return tool_model_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return init_model(tmp_path_factory.mktemp("tiny-bb"), TINY)
+
+
+async def _blackbox(model_dir, program, spec, sampling=GREEDY, timeout=60.0):
+    tok = ChatTokenizer(model_dir)
+    env = envs.make("agentflow/Calc-v0")
+    with EmbeddedEngine(model_dir, max_slots=4, max_len=512) as engine:
+        async with ProxyServer(engine, tok) as proxy:
+            traj = await BlackBoxRunner(proxy, program, timeout, 512).run(env, spec, sampling)
+    env.close()
+    return traj
+
+
+def test_blackbox_programs_yield_the_white_box_tokens(tool_model):
+    """The demo program (a Python callable, and the same loop as a subprocess using the openai client) plays the
+    white-box policy through the proxy: with greedy decoding the recorded ids, log-probs and versions are the
+    white-box loop's, token for token."""
+    from agentflow.proxy.demo_agent import tool_agent
+
+    spec = EpisodeSpec("ep-0", "g0", 7, env_id="agentflow/Calc-v0")
+    env = envs.make("agentflow/Calc-v0")
+    with EmbeddedEngine(tool_model, max_slots=4, max_len=512) as engine:
+        white = asyncio.run(run_episode(engine, ChatTokenizer(tool_model), env, spec, GREEDY, 512))
+    env.close()
+    command = SubprocessProgram([sys.executable, "-m", "agentflow.proxy.demo_agent"], {"PYTHONPATH": str(ROOT)})
+    for program in (CallableProgram(tool_agent), command):
+        black = asyncio.run(_blackbox(tool_model, program, spec))
+        assert black.status == white.status == "ok", black.error
+        assert (
+            len(white.turns) == 2 and white.turns[0].action == '{"tool": "calc", "arguments": {"expression": "2 + 3"}}'
+        )
+        assert [s.kind for s in black.segments] == ["root"]
+        for field in ("token_ids", "loss_mask", "logprobs", "versions"):
+            assert getattr(black.segments[0], field) == getattr(white.segments[0], field), field
+        assert [t.span for t in black.turns] == [t.span for t in white.turns]
+        assert black.turns[0].observation == white.turns[0].observation == "5"
+        assert black.reward == white.reward == 0.0 and black.info["answer"] == "5"  # the env's verifier decided
+        assert black.info["tito_mismatch"] == 0 and black.info["spliced_calls"] == 1
+
+
+def _crash(task):
+    raise RuntimeError("agent exploded")
+
+
+async def _silent(task):
+    return None
+
+
+def test_crashing_hanging_and_idle_programs_end_their_episode_with_a_reason(tiny_model, tmp_path):
+    spec = EpisodeSpec("ep-x", "g0", 1, env_id="agentflow/Calc-v0")
+    crash = asyncio.run(_blackbox(tiny_model, CallableProgram(_crash), spec))
+    assert crash.status == "error" and crash.reward is None and "agent exploded" in crash.error
+    idle = asyncio.run(_blackbox(tiny_model, CallableProgram(_silent), spec))
+    assert idle.status == "error" and "no model calls" in idle.error
+    exits = SubprocessProgram([sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"])
+    died = asyncio.run(_blackbox(tiny_model, exits, spec))
+    assert died.status == "error" and "code 3" in died.error and "boom" in died.error
+    pid_file = tmp_path / "pid"
+    hang = SubprocessProgram(["sh", "-c", f"echo $$ > {pid_file}; sleep 60 & wait"])
+    t0 = time.monotonic()
+    hung = asyncio.run(_blackbox(tiny_model, hang, spec, timeout=1.0))
+    assert time.monotonic() - t0 < 20
+    assert hung.status == "truncated" and hung.reward is None and "timed out" in hung.error
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)  # killed with its process group, not left behind
+
+
+def test_agent_registry():
+    assert {"whitebox", "blackbox"} <= set(registered_agents())
+    with pytest.raises(ValueError, match="Did you mean 'blackbox'"):
+        make_agent("blackbx")
+    with pytest.raises(ValueError, match="exactly one"):
+        BlackBoxAgent()
+    with pytest.raises(ValueError, match="cannot import agent module"):
+        BlackBoxAgent(entry="no_such_module:f")
+    assert isinstance(make_agent("whitebox", context="compact"), WhiteBoxAgent)
+
+
+def test_demo_blackbox_config_is_the_demo_with_a_blackbox_agent():
+    demo = load_config(ROOT / "configs/demo.yaml").model_dump()
+    black = load_config(ROOT / "configs/demo-blackbox.yaml").model_dump()
+    assert black["agent"]["type"] == "blackbox" and black["run"]["dir"] == "runs/demo-blackbox"
+    for d in (demo, black):
+        d.pop("agent")
+        d["run"].pop("dir")
+    assert demo == black
+
+
+def test_short_blackbox_rl_job(tiny_model, tmp_path):
+    from agentflow.job import run_job
+
+    cfg = load_config(
+        ROOT / "configs/demo-blackbox.yaml",
+        [f"model.path={tiny_model}", "sft.enabled=false", "run.steps=2", f"run.dir={tmp_path / 'run'}",
+         "run.progress=false", "store.batch_groups=2", "rollout.group_size=2", "rollout.max_new_tokens=12",
+         "eval.episodes=4", "engine.max_len=384", "engine.max_slots=8", "trainer.micro_batch_tokens=2048",
+         "trainer.drop_uniform_groups=false"],
+    )  # fmt: skip
+    summary = run_job(cfg, log=lambda *_: None)
+    assert summary["rl_steps"] == 2 and summary["trajectories_trained"] == 2 * 2 * 2
+    for key in ("success_before_rl", "success_after_rl", "per_type_after_rl", "eval_episodes", "mean_staleness"):
+        assert key in summary
+    trajs = Journal.read(tmp_path / "run" / "journal.jsonl")
+    assert trajs and all(t.info["tito_mismatch"] == 0 and t.info["calls"] >= 1 for t in trajs)
+    assert all(t.status in ("ok", "truncated") for t in trajs)
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["rollout/partial_span_max"] <= 1 and "rollout/recycled" in metrics
+
+
+class PauseAfter:
+    """The real engine; the first generation pauses it (in place) after ``n`` tokens and signals ``paused``."""
+
+    def __init__(self, engine: EmbeddedEngine, n: int = 3) -> None:
+        self.engine, self.n, self.paused = engine, n, threading.Event()
+
+    @property
+    def weight_version(self):
+        return self.engine.weight_version
+
+    async def generate(self, input_ids, sampling, rid=None):
+        count = [0]
+
+        def on_token(tok, lp, version):
+            count[0] += 1
+            if count[0] == self.n and not self.paused.is_set():
+                self.engine.pause("in_place")  # on the decode thread: takes effect after this step
+                self.paused.set()
+
+        return await self.engine.generate(input_ids, sampling, rid, on_token=on_token)
+
+
+@pytest.mark.parametrize("partial", ["continue", "recycle"])
+def test_partial_rollouts_across_a_weight_update(tiny_model, partial):
+    tok = ChatTokenizer(tiny_model)
+    weights = load_file(str(Path(tiny_model) / "model.safetensors"))
+    env = envs.make("agentflow/Calc-v0")
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3)
+    with EmbeddedEngine(tiny_model, max_slots=2, max_len=512) as engine:
+        hooked = PauseAfter(engine)
+        agent = make_agent("whitebox", recycle=partial == "recycle")
+        asyncio.run(agent.start(engine, tok))
+
+        def update() -> None:
+            hooked.paused.wait(30)
+            engine.update_weights(1, weights)  # the next version arrives while a generation is in flight
+            engine.resume()
+
+        threading.Thread(target=update, daemon=True).start()
+        episode = Episode(EpisodeSpec("p-0", "g0", 2, env_id="agentflow/Calc-v0"), env, hooked, tok, sampling, 512)
+        traj = asyncio.run(agent.run(episode))
+    env.close()
+    first = traj.segments[0]
+    lo, hi = traj.turns[0].span
+    if partial == "continue":  # one turn, tokens stamped with both versions
+        assert first.versions[lo:hi][:3] == [0, 0, 0] and set(first.versions[lo:hi]) == {0, 1}
+        assert batch_metrics([Group("g0", 2, [traj])])["partial_span_max"] == 1
+    else:  # the aborted generation was discarded and run again under version 1
+        assert traj.info["recycled"] == 1 and set(first.versions[lo:hi]) == {1}
+        assert batch_metrics([Group("g0", 2, [traj])])["partial_ratio"] == 0
