@@ -111,3 +111,18 @@ def test_decode_over_fragmented_slots_matches_full_forward(hf_pair, slots: list[
     )
     for row, seq in enumerate(seqs):
         torch.testing.assert_close(logits[row], model.forward_full(seq)[-1], atol=2e-5, rtol=0)
+
+
+def test_batched_prefill_matches_full_forward(hf_pair) -> None:
+    """Several slots prefilled in one pass, one of them after a cached prefix."""
+    _, path = hf_pair
+    model = load_hf_dir(path)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 128, (n,), generator=gen) for n in (7, 12, 3)]
+    cache = KVCache(model.config, max_slots=4, max_len=32)
+    model.prefill(cache, 3, seqs[1][:5], 0)  # slot 3 already holds the first 5 tokens of seqs[1]
+    logits = model.prefill_batch(cache, [0, 3, 1], [seqs[0], seqs[1][5:], seqs[2]], [0, 5, 0])
+    for row, seq in enumerate(seqs):
+        torch.testing.assert_close(logits[row], model.forward_full(seq)[-1], atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="max_len"):
+        model.prefill_batch(cache, [0], [seqs[1]], [25])

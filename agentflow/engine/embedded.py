@@ -407,7 +407,8 @@ class EmbeddedEngine:
             self._admit(req)
             self._running[req.slot] = req
             admitted.append(req)
-            self._prefill(req)
+        if admitted:
+            self._prefill(admitted)
         active = [r for slot, r in sorted(self._running.items()) if r not in admitted]
         if active:
             self._decode(active)
@@ -430,17 +431,18 @@ class EmbeddedEngine:
         if not req.output:
             req.cache_hit = req.cached
 
-    def _prefill(self, req: _Request) -> None:
-        assert req.slot is not None
-        seq = req.prompt + req.output
-        ids = torch.tensor(seq[req.cached :], dtype=torch.long)
+    def _prefill(self, reqs: list[_Request]) -> None:
+        """Encode every newly admitted request's uncached tokens in one forward pass (one per request was slow)."""
+        seqs = [r.prompt + r.output for r in reqs]
+        chunks = [torch.tensor(seq[r.cached :], dtype=torch.long) for r, seq in zip(reqs, seqs, strict=True)]
         t0 = time.perf_counter()
-        logits = self.model.prefill(self.cache, req.slot, ids, req.cached)
+        logits = self.model.prefill_batch(self.cache, [r.slot for r in reqs], chunks, [r.cached for r in reqs])
         self._stats["busy_seconds"] += time.perf_counter() - t0
-        self._stats["prefills"] += 1
-        self._stats["prefill_tokens"] += len(ids)
-        req.cached = len(seq)
-        self._accept([req], logits[None])
+        self._stats["prefills"] += len(reqs)
+        self._stats["prefill_tokens"] += sum(len(c) for c in chunks)
+        for r, seq in zip(reqs, seqs, strict=True):
+            r.cached = len(seq)
+        self._accept(reqs, logits)
 
     def _decode(self, reqs: list[_Request]) -> None:
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.long)

@@ -252,6 +252,43 @@ class DecoderModel:
         return F.linear(hidden if all_logits else hidden[-1], self.lm_head)
 
     @torch.inference_mode()
+    def prefill_batch(self, cache: KVCache, slots: list[int], chunks: list[Tensor], starts: list[int]) -> Tensor:
+        """:meth:`prefill` of several slots in one pass; returns each chunk's last-position logits ``[R, vocab]``.
+
+        The projections and MLPs run once over all chunks' tokens; attention runs per chunk against its own slot.
+        """
+        lens = [int(c.shape[0]) for c in chunks]
+        if len(slots) != len(chunks) or len(starts) != len(chunks):
+            raise ValueError(f"{len(slots)} slots, {len(chunks)} chunks and {len(starts)} starts differ")
+        for start, n in zip(starts, lens, strict=True):
+            if n == 0 or start < 0 or start + n > cache.max_len:
+                raise ValueError(f"prefill of {n} tokens at position {start} does not fit max_len {cache.max_len}")
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
+        masks = [
+            torch.arange(s + n)[None, :] <= torch.arange(s, s + n)[:, None] for s, n in zip(starts, lens, strict=True)
+        ]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            outs = []
+            for r, slot in enumerate(slots):
+                a, b, start = offsets[r], offsets[r + 1], starts[r]
+                end = start + b - a
+                kc, vc = cache.data[layer, 0, slot], cache.data[layer, 1, slot]
+                kc[:, start:end] = k[a:b].transpose(0, 1)
+                vc[:, start:end] = v[a:b].transpose(0, 1)
+                out = F.scaled_dot_product_attention(
+                    q[a:b].transpose(0, 1), kc[:, :end], vc[:, :end], attn_mask=masks[r], enable_gqa=True
+                )
+                outs.append(out.transpose(0, 1).reshape(b - a, -1))
+            return torch.cat(outs)
+
+        hidden = self._layers(torch.cat(chunks), positions, attend)
+        return F.linear(hidden[torch.tensor(offsets[1:]) - 1], self.lm_head)
+
+    @torch.inference_mode()
     def decode(self, cache: KVCache, slots: Tensor, tokens: Tensor, positions: Tensor) -> Tensor:
         """One step for ``B`` slots: token ``tokens[b]`` at ``positions[b]`` in slot ``slots[b]``; logits ``[B, V]``.
 
