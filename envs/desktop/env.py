@@ -1,0 +1,259 @@
+"""``agentflow/Desktop-v0``: Tk apps on the env's own Xvfb display, driven through XTEST.
+
+Observation: the app's widget tree as text (class, name, text or value, and the screen centre to click), plus a
+PNG screenshot of the display in the info's ``"images"``. Tools: ``click(x, y, button, double)``,
+``type_text(text)``, ``key(combo)``. Answering ends the episode; the verifier reads the app's state over its control
+socket. Each episode starts the task's app afresh (awaited, so a starting app holds no thread). A dead X server or
+app raises :class:`~envs.errors.EnvCrashedError`; the next reset starts a new X server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+from envs.core import ToolSpec
+from envs.desktop.tasks import TASK_TYPES, DesktopTask, check_state, make_task
+from envs.desktop.xserver import BUTTONS, XInput, Xvfb, screenshot_png
+from envs.errors import ActionError, EnvCrashedError, EnvError
+from envs.screen import LoopThread, ScreenEnv
+from envs.tasks import DEFAULT_TASK_SET, lookup_task_set, simple_task_set
+
+APP_START_TIMEOUT_S = 20.0
+SYSTEM_PROMPT = (
+    "You operate a desktop app on a 640x480 screen to complete a task. Each observation lists the app's widgets "
+    "with their screen centres; click at coordinates, type text into the focused widget, or press key "
+    "combinations like ctrl+s. When the task is complete, answer 'done'."
+)
+TOOLS = [
+    ToolSpec(
+        "click",
+        "Click at screen coordinates.",
+        {
+            "type": "object",
+            "properties": {
+                "x": {"type": "integer"},
+                "y": {"type": "integer"},
+                "button": {"type": "string", "enum": list(BUTTONS), "default": "left"},
+                "double": {"type": "boolean", "default": False},
+            },
+            "required": ["x", "y"],
+            "additionalProperties": False,
+        },
+    ),
+    ToolSpec(
+        "type_text",
+        "Type text with the keyboard into the focused widget (newlines press Return).",
+        {
+            "type": "object",
+            "properties": {"text": {"type": "string"}},
+            "required": ["text"],
+            "additionalProperties": False,
+        },
+    ),
+    ToolSpec(
+        "key",
+        "Press a key or combination, e.g. Return, ctrl+s, ctrl+End, BackSpace.",
+        {
+            "type": "object",
+            "properties": {"combo": {"type": "string"}},
+            "required": ["combo"],
+            "additionalProperties": False,
+        },
+    ),
+]
+
+
+class DesktopEnv(ScreenEnv):
+    """Desktop tasks (:data:`~envs.desktop.tasks.TASK_TYPES`) on a private Xvfb; one app process per episode."""
+
+    tools = TOOLS
+    system_prompt = SYSTEM_PROMPT
+    max_turns = 12
+    task_sets = {"default": simple_task_set(task_types=TASK_TYPES, description="calculator and text-editor tasks")}
+    max_observation_chars = 8192
+
+    def __init__(self, max_turns: int | None = None, split: str = "train", task_set: str = DEFAULT_TASK_SET) -> None:
+        super().__init__(max_turns=max_turns)
+        lookup_task_set(self.task_sets, task_set, type(self).__name__).seed_range(split)  # validates both
+        self.split, self.task_set = split, task_set
+        self.xvfb = Xvfb()
+        self.x_restarts = 0
+        self.task: DesktopTask | None = None
+        self.last_observation = ""
+        self._loop = LoopThread("agentflow-desktop")
+        self._input: XInput | None = None
+        self._grabber: Any = None
+        self._app: asyncio.subprocess.Process | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="agentflow-desktop-")
+        self._sock = ""
+        self._checks: dict[str, bool] = {}
+        self._episodes = 0
+
+    @property
+    def backend(self) -> LoopThread:
+        """This env's own loop."""
+        return self._loop
+
+    # -- episode -----------------------------------------------------------------------------------------------
+    async def areset_task(self, seed: int, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Draw the task, make sure the X server lives (a new one if it died) and start the task's app."""
+        split = options.get("split", self.split)
+        set_name = options.get("task_set", self.task_set)
+        ts = lookup_task_set(self.task_sets, set_name, type(self).__name__).task_seed(seed, split)
+        self.task = make_task(ts, split, options.get("task_type"))
+        self._checks = {}
+        await self._stop_app()
+        await self._ensure_x()
+        await self._start_app(self.task)
+        obs = f"Task: {self.task.prompt}\n{await self._observe()}"
+        info = {"task_id": self.task.task_id, "task_type": self.task.task_type, "split": split, "seed": ts}
+        return obs, {**info, "task_set": set_name}
+
+    async def atool(self, name: str, arguments: dict[str, Any]) -> str:
+        """Send the input through XTEST, then observe."""
+        if self._input is None or self._app is None:
+            raise EnvError("no app: call reset() first")
+        self._raise_if_crashed(None)
+        try:
+            if name == "click":
+                count = 2 if arguments.get("double") else 1
+                self._input.click(arguments["x"], arguments["y"], arguments.get("button", "left"), count)
+            elif name == "type_text":
+                self._input.type_text(arguments["text"])
+            else:
+                self._input.key(arguments["combo"])
+        except ActionError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an X error: a dead server or a real failure
+            self._raise_if_crashed(e)
+            raise EnvError(f"{name} failed: {e}") from e
+        return await self._observe()
+
+    async def ascore(self, text: str) -> tuple[float, bool]:
+        """1.0 when the app's state meets every goal condition."""
+        if self.task is None:
+            raise EnvError("no task: call reset() first")
+        state = await self._request({"op": "state"})
+        self._checks = check_state(self.task, state["state"])
+        ok = all(self._checks.values())
+        return (1.0 if ok else 0.0), ok
+
+    def answer_info(self) -> dict[str, Any]:
+        """Which goal conditions held."""
+        return {"checks": dict(self._checks)}
+
+    # -- backend -----------------------------------------------------------------------------------------------
+    async def _ensure_x(self) -> None:
+        if self.xvfb.alive and self._input is not None:
+            return
+        if self.xvfb.proc is not None:  # it died: forget its connections and start another
+            self.x_restarts += 1
+        self._drop_x_clients()
+        self.xvfb.stop()
+        await asyncio.to_thread(self.xvfb.start)
+        self._input = XInput(self.xvfb.display)
+        import mss
+
+        self._grabber = mss.mss(display=self.xvfb.display)
+
+    def _drop_x_clients(self) -> None:
+        if self._input is not None:
+            self._input.close()
+            self._input = None
+        if self._grabber is not None:
+            try:
+                self._grabber.close()
+            except Exception:  # noqa: BLE001 - its server may be gone
+                pass
+            self._grabber = None
+
+    async def _start_app(self, task: DesktopTask) -> None:
+        self._episodes += 1
+        self._sock = os.path.join(self._tmp.name, f"app{self._episodes}.sock")
+        env = {**os.environ, "DISPLAY": self.xvfb.display}
+        argv = [sys.executable, "-m", "envs.desktop.apps", task.app, self._sock, json.dumps(task.init)]
+        self._app = await asyncio.create_subprocess_exec(
+            *argv,
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        deadline = asyncio.get_running_loop().time() + APP_START_TIMEOUT_S
+        while not os.path.exists(self._sock):
+            if self._app.returncode is not None or asyncio.get_running_loop().time() > deadline:
+                err = b""
+                if self._app.returncode is not None and self._app.stderr is not None:
+                    err = await self._app.stderr.read()
+                await self._stop_app()
+                raise EnvError(f"the {task.app} app did not start: {err.decode(errors='replace')[-500:].strip()}")
+            await asyncio.sleep(0.02)
+
+    async def _stop_app(self) -> None:
+        app, self._app = self._app, None
+        if app is None or app.returncode is not None:
+            return
+        app.terminate()
+        try:
+            await asyncio.wait_for(app.wait(), 5)
+        except TimeoutError:
+            app.kill()
+            await app.wait()
+
+    async def _request(self, req: dict[str, Any]) -> dict[str, Any]:
+        """One control request to the app (its reply reflects every X event delivered so far)."""
+        self._raise_if_crashed(None)
+        try:
+            reader, writer = await asyncio.open_unix_connection(self._sock)
+            writer.write(json.dumps(req).encode() + b"\n")
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), 10)
+            writer.close()
+        except (OSError, TimeoutError) as e:
+            self._raise_if_crashed(e)
+            raise EnvError(f"the app did not answer {req['op']!r}: {e}") from e
+        reply = json.loads(line or b"{}")
+        if not reply.get("ok"):
+            self._raise_if_crashed(None)
+            raise EnvError(f"the app refused {req['op']!r}: {reply.get('error', 'no reply')}")
+        return reply
+
+    async def _observe(self) -> str:
+        tree = await self._request({"op": "tree"})
+        try:
+            self.add_image(await asyncio.to_thread(screenshot_png, self.xvfb.display, self._grabber))
+        except Exception as e:  # noqa: BLE001 - a grab failing on a dead server
+            self._raise_if_crashed(e)
+            raise EnvError(f"screenshot failed: {e}") from e
+        lines = [f"Window: {tree['title']}"]
+        for w in tree["widgets"]:
+            x, y, width, height = w["box"]
+            text = f" {json.dumps(w['text'], ensure_ascii=False)}" if w["text"] else ""
+            focus = " [focused]" if w["focus"] else ""
+            cx, cy = x + width // 2, y + height // 2
+            lines.append(f'{"  " * w["depth"]}- {w["class"]} "{w["name"]}"{text} center ({cx}, {cy}){focus}')
+        self.last_observation = "\n".join(lines)
+        return self.last_observation
+
+    def _raise_if_crashed(self, cause: BaseException | None) -> None:
+        if self.xvfb.proc is not None and not self.xvfb.alive:
+            reason = f"the X server {self.xvfb.display} (pid {self.xvfb.pid}) exited with code {self.xvfb.exit_code}"
+            raise EnvCrashedError(reason) from cause
+        if self._app is not None and self._app.returncode is not None:
+            name = self.task.app if self.task else "app"
+            raise EnvCrashedError(f"the {name} app exited with code {self._app.returncode}") from cause
+
+    def close(self) -> None:
+        """Stop the app, the X server and the loop. Safe to call twice."""
+        if self._loop.alive:
+            self._loop.run(self._stop_app(), 30)
+            self._loop.stop()
+        self._drop_x_clients()
+        self.xvfb.stop()
+        self._tmp.cleanup()
+        super().close()

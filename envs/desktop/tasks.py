@@ -1,0 +1,118 @@
+"""Desktop tasks: what to do in the shipped Tk apps, how the app's state proves it, and a scripted expert.
+
+Task types: ``calculator`` (compute an expression with the calculator: the app's last evaluation must be exactly
+that expression with the right value) and ``editor`` (type lines into the editor and save under a file name: the
+app's saved files must hold exactly that text). The expert clicks at the centres the widget tree gives and types
+through the keyboard, as an agent would.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from envs.core import answer_action, tool_action
+from envs.desktop.apps import evaluate, format_number
+
+TASK_TYPES: tuple[str, ...] = ("calculator", "editor")
+_WORDS = ("alpha", "river", "quiet", "copper", "maple", "orbit", "lantern", "pixel", "harbor", "meadow", "signal")
+
+
+@dataclass(frozen=True)
+class DesktopTask:
+    """One desktop task: the app to start (with ``init``) and the goal the verifier checks."""
+
+    task_id: str
+    task_type: str
+    prompt: str
+    app: str
+    init: dict[str, Any] = field(default_factory=dict)
+    goal: dict[str, Any] = field(default_factory=dict)
+
+
+def make_task(task_seed: int, split: str, task_type: str | None = None) -> DesktopTask:
+    """The task of ``task_seed`` (deterministic); ``task_type`` forces the type."""
+    rng = random.Random(task_seed)
+    kind = task_type if task_type is not None else rng.choice(TASK_TYPES)
+    if kind not in TASK_TYPES:
+        raise ValueError(f"unknown desktop task type {kind!r}; expected one of {TASK_TYPES}")
+    tid = f"desktop-{split}-{task_seed}"
+    if kind == "calculator":
+        a, b, c = rng.randint(10, 99), rng.randint(2, 30), rng.randint(1, 99)
+        op1, op2 = rng.choice("+-*"), rng.choice("+-")
+        expr = f"{a}{op1}{b}{op2}{c}"
+        value = format_number(evaluate(expr))
+        prompt = f"Use the calculator to compute {a} {op1} {b} {op2} {c} (enter it and press =)."
+        return DesktopTask(tid, kind, prompt, "calculator", goal={"expression": expr, "result": value})
+    lines = [" ".join(rng.sample(_WORDS, 3)) for _ in range(rng.randint(1, 2))]
+    name = f"{rng.choice(_WORDS)}-{rng.randint(1, 99)}.txt"
+    start = rng.choice(["", "notes:\n"])
+    text = start + "\n".join(lines)
+    shown = " / ".join(repr(line) for line in lines)
+    prefix = "After the existing text, type" if start else "Type"
+    prompt = f"{prefix} the line(s) {shown} in the editor and save the file as {name!r}."
+    return DesktopTask(tid, kind, prompt, "editor", init={"text": start}, goal={"filename": name, "text": text})
+
+
+def check_state(task: DesktopTask, state: dict[str, Any]) -> dict[str, bool]:
+    """Each goal condition and whether the app's state meets it."""
+    if task.task_type == "calculator":
+        history = state.get("history") or [{}]
+        last = history[-1]
+        return {
+            "expression": last.get("expression", "").replace(" ", "") == task.goal["expression"],
+            "result": last.get("result") == task.goal["result"] and state.get("display") == task.goal["result"],
+        }
+    saved = state.get("saved", {})
+    return {
+        "saved": task.goal["filename"] in saved,
+        "text": saved.get(task.goal["filename"], "").rstrip("\n") == task.goal["text"],
+    }
+
+
+_WIDGET_LINE = re.compile(r'^\s*- (?P<cls>\w+) "(?P<name>[\w-]+)".*? center \((?P<x>\d+), (?P<y>\d+)\)')
+
+
+def find_center(observation: str, name: str) -> tuple[int, int] | None:
+    """The centre of widget ``name`` in a desktop observation's widget tree, or None."""
+    for line in observation.splitlines():
+        m = _WIDGET_LINE.match(line)
+        if m and m.group("name") == name:
+            return int(m.group("x")), int(m.group("y"))
+    return None
+
+
+def expert_plan(task: DesktopTask) -> list[tuple[str, Any]]:
+    """The steps that solve ``task``: ("click", widget name), ("type", text) or ("key", combo)."""
+    if task.task_type == "calculator":
+        return [("click", "display"), ("type", task.goal["expression"]), ("click", "equals")]
+    added = task.goal["text"][len(task.init.get("text", "")) :]
+    return [
+        ("click", "text"),
+        ("key", "ctrl+End"),
+        ("type", added),
+        ("click", "filename"),
+        ("key", "ctrl+slash"),  # Tk's select-all; typing then replaces the selection
+        ("type", task.goal["filename"]),
+        ("key", "ctrl+s"),
+    ]
+
+
+def expert_action(env: Any, history: list[tuple[str, str]]) -> str:
+    """The scripted expert's next action (step ``len(history)`` of the plan); ``"done"`` when the plan is over."""
+    base = env.unwrapped
+    plan = expert_plan(base.task)
+    i = len(history)
+    if i >= len(plan):
+        return answer_action("done")
+    kind, arg = plan[i]
+    if kind == "click":
+        center = find_center(base.last_observation, arg)
+        if center is None:
+            return answer_action("done")
+        return tool_action("click", {"x": center[0], "y": center[1]})
+    if kind == "type":
+        return tool_action("type_text", {"text": arg})
+    return tool_action("key", {"combo": arg})
