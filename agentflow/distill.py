@@ -12,6 +12,8 @@ data source has a teacher, and that every teacher's tokenizer is the student's.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import json
 import time
 from dataclasses import replace
@@ -108,8 +110,19 @@ class EngineScorer:
         return self.engine.score(ids, start, top_k)
 
     def close(self) -> None:
+        """Stop the engine and hand its memory back to the OS (glibc keeps freed heap pages otherwise, and a
+        released teacher would still count against the machine)."""
         self.engine.close()
         del self.engine
+        gc.collect()
+        _malloc_trim()
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def make_scorer_factory(cfg: JobConfig):
