@@ -71,6 +71,8 @@ class RolloutConfig(Section):
     """New tokens per model turn."""
     max_concurrency: int = Field(32, ge=1)
     """Episodes in flight at once (bounded further by the store's window)."""
+    episode_retries: int = Field(2, ge=0)
+    """Replays of an episode whose engine or env worker died under it (then it stays an ``error`` trajectory)."""
     partial: Literal["continue", "recycle"] = "continue"
     """Partial rollouts at a weight update: in-flight generations ``continue`` under the new version (each token
     stamped with its own), or are aborted and ``recycle``d (run again from the same input under the new one)."""
@@ -242,6 +244,25 @@ class TeachersConfig(Section):
     """Estimator of that loss term: sampled-token k1/k2/k3, or the exact KL over the teacher's top-k tokens."""
 
 
+class RayConfig(Section):
+    enabled: bool = False
+    """Run engines, the trainer group and env workers as Ray actors (restarted by Ray when they die)."""
+    address: str | None = None
+    """Cluster to join (``auto`` or ``HOST:PORT``); unset: ``RAY_ADDRESS`` if set, else a local cluster whose files
+    stay in the run directory."""
+    num_cpus: int = Field(2, ge=1)
+    """CPUs of a local cluster."""
+    actor_cpus: float = Field(0.1, gt=0)
+    """CPUs reserved per actor (the actors mostly wait; the OS shares the cores)."""
+    engines: int = Field(1, ge=1)
+    """Engine actors (a trajectory sticks to one)."""
+    env_workers: int = Field(2, ge=1)
+    """Env worker actors, each hosting many envs."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """Actors packed on as few nodes as possible, or spread across nodes."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts Ray grants a dead engine or env worker."""
+
 
 class RunConfig(Section):
     dir: str = "runs/demo"
@@ -276,6 +297,7 @@ class JobConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
     teachers: TeachersConfig = Field(default_factory=TeachersConfig)
     """On-policy distillation from teachers routed by data-source tag (``agentflow distill``)."""
     transfer: dict[str, Any] = Field(default_factory=lambda: {"type": "inprocess"})

@@ -128,10 +128,44 @@ def run_job(cfg: JobConfig, log=print, resume: bool = False) -> dict[str, Any]:
     return summary
 
 
-def _write_processes(run_dir: Path, trainer: Any) -> None:
+def _write_processes(run_dir: Path, *parts: Any) -> None:
     """Process ids of this job's parts (operators and crash tests signal them by pid)."""
-    pids = trainer.pids() if hasattr(trainer, "pids") else []
-    dump_json(run_dir / "processes.json", {"controller": os.getpid(), "trainer": pids})
+    pids = [p.pids() if hasattr(p, "pids") else [] for p in parts]
+    out = {"controller": os.getpid(), **dict(zip(("trainer", "engines", "env_workers"), pids, strict=False))}
+    dump_json(run_dir / "processes.json", out)
+
+
+async def _components(cfg: JobConfig, policy_dir: Path, run_dir: Path) -> tuple[Any, Any, Any, Any]:
+    """Trainer group, engine, env pool: local processes, or Ray actors (``ray.enabled``) plus their runtime."""
+    from agentflow.engine.factory import make_engine
+    from trainer.launcher import make_trainer_group
+
+    settings = trainer_settings(cfg)
+    if cfg.ray.enabled:
+        from agentflow.ray_runtime import RayRuntime
+
+        runtime = await asyncio.to_thread(RayRuntime, cfg, run_dir)
+        try:
+            trainer = await asyncio.to_thread(runtime.trainer, policy_dir, settings)
+            engine = await asyncio.to_thread(runtime.engine, policy_dir)
+            return trainer, engine, runtime.env_pool(), runtime
+        except BaseException:
+            runtime.close()
+            raise
+    tr = cfg.trainer
+    trainer = await asyncio.to_thread(make_trainer_group, policy_dir, settings, tp=tr.tp, dp=tr.dp)
+    engine = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed)
+    return trainer, engine, EnvPool(cfg.env.id, cfg.env.kwargs), None
+
+
+def fault_report(rollouts: Rollouts, engine: Any) -> dict[str, Any]:
+    """What died and what was replayed because of it."""
+    return {
+        "retried_episodes": dict(rollouts.retried),
+        "retried_ids": list(rollouts.retried_ids),
+        "lost_after_retries": rollouts.lost_for_good,
+        "engine_restarts": getattr(engine, "restarts", 0),
+    }
 
 
 async def _resume(cfg: JobConfig, run_dir: Path, trainer: Any, transport: Any, store: TrajectoryStore, log) -> Any:
@@ -164,24 +198,20 @@ async def _evaluate_before(cfg: JobConfig, rollouts: Rollouts, run_dir: Path, se
 
 async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, resume: bool = False) -> dict[str, Any]:
     from agentflow.engine.factory import make_engine
-    from trainer.launcher import make_trainer_group
     from transfer_mesh.transport import make_transport
 
-    settings = trainer_settings(cfg)
-    tr = cfg.trainer
-    trainer = await asyncio.to_thread(make_trainer_group, policy_dir, settings, tp=tr.tp, dp=tr.dp)
-    engine = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed)
+    trainer, engine, pool, runtime = await _components(cfg, policy_dir, run_dir)
     transport = make_transport(cfg.transfer, [engine])
-    pool = EnvPool(cfg.env.id, cfg.env.kwargs)
     stale = {"sync": 0, "one_step": 1}.get(cfg.run.mode, cfg.store.stale_steps)
     store = TrajectoryStore(cfg.store.batch_groups, stale, Journal(run_dir / "journal.jsonl"))
     agent = agent_from_config(cfg)  # whitebox loop, or a blackbox program behind the recording proxy
     await agent.start(engine, ChatTokenizer(policy_dir))
     rollouts = Rollouts(engine, ChatTokenizer(policy_dir), pool, cfg.engine.max_len, cfg.rollout.max_concurrency, agent)
+    rollouts.retries = cfg.rollout.episode_retries
     metrics = MetricsLogger(run_dir, cfg.run.progress)
     trainer_busy = BusyTracker()
     eval_seeds = list(range(cfg.eval.episodes))
-    _write_processes(run_dir, trainer)
+    _write_processes(run_dir, trainer, engine, pool)
     state = None
     try:
         if resume:
@@ -205,6 +235,8 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, resume: bool
         engine.close()
         pool.close()
         trainer.close()
+        if runtime is not None:
+            runtime.close()
         if store.journal:
             store.journal.close()
     window = (result.start, result.end)
@@ -237,6 +269,8 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, resume: bool
         "resumed_from": str(state.checkpoint) if state and state.checkpoint else None,
         "restored_trajectories": sum(len(g.trajectories) for g in state.groups) if state else 0,
         "policy_dir": str(policy_dir),
+        "faults": fault_report(rollouts, engine),
+        "runtime": f"ray ({runtime.cluster} cluster)" if runtime is not None else "local processes",
     }
 
 

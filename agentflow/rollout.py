@@ -107,8 +107,27 @@ class Rollouts:
         self.engine_busy = BusyTracker()
         self.episodes = 0
         self.agent = agent or WhiteBoxAgent()  # started by the job (agents.BaseAgent.start)
+        self.retries = 2
+        """Replays of an episode whose engine or env worker died under it (a restarted worker serves the replay)."""
+        self.retried: dict[str, int] = {"engine": 0, "env_worker": 0}
+        self.retried_ids: list[str] = []
+        self.lost_for_good = 0
 
     async def episode(self, spec: EpisodeSpec, sampling: SamplingParams) -> Trajectory:
+        for attempt in range(self.retries + 1):
+            traj, lost = await self._episode_once(spec, sampling)
+            if lost is None:
+                return traj
+            if attempt == self.retries:  # still failing: it stays an error trajectory, never a reward of 0
+                self.lost_for_good += 1
+                traj.info["lost_to"] = lost
+                return traj
+            self.retried[lost] += 1
+            self.retried_ids.append(spec.traj_id)
+        raise AssertionError("unreachable")
+
+    async def _episode_once(self, spec: EpisodeSpec, sampling: SamplingParams) -> tuple[Trajectory, str | None]:
+        """One try; the second value names the part that died under it (``engine``, ``env_worker``) or is None."""
         async with self.limit:
             env = self.pool.acquire(spec.env_id, spec.env_kwargs)
             self.engine_busy.enter()
@@ -119,7 +138,11 @@ class Rollouts:
                 self.engine_busy.exit()
                 self.pool.release(env)
             self.episodes += 1
-            return traj
+        lost_engine = getattr(self.engine, "lost", set())  # Ray engines: ids of episodes whose engine died
+        if traj.id in lost_engine:
+            lost_engine.discard(traj.id)
+            return traj, "engine"
+        return traj, ("env_worker" if getattr(env, "lost", False) else None)
 
     async def play_group(self, group_id: str, draw: Draw, n: int, sampling: SamplingParams) -> Group:
         specs = [

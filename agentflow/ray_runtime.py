@@ -1,0 +1,456 @@
+"""Ray runtime: the job's engines, trainer group and env workers as Ray actors, restarted by Ray when they die.
+
+The controller stays the single driver; only where the parts run changes (``ray.enabled``). Each part keeps the
+interface the controller already uses, so the RL loop is the same code:
+
+- :class:`RayEngine` (the :class:`~agentflow.types.InferenceEngine` protocol and the weight receiver the TransferMesh
+  transports call) over ``ray.engines`` :class:`EngineActor` s, each hosting an embedded engine. A trajectory sticks
+  to one engine. When an engine dies, Ray restarts it with the initial weights; the next call finds a new
+  incarnation and is given the newest weights first, and the episodes that were on it are reported lost.
+- :class:`RemoteEnvPool` / :class:`RemoteEnv` over ``ray.env_workers`` async :class:`EnvWorker` actors, each hosting
+  many envs (one Python process per env would cost ~50 MB and seconds each; NOTES.md). An env is (re)made on the
+  worker at every reset, so a restarted worker serves the next episode; the episode that was on it is lost.
+- :class:`RayTrainerGroup`: the trainer group (trainer/launcher.py) launched inside a Ray actor.
+
+Lost episodes are retried by :class:`agentflow.rollout.Rollouts` (``rollout.episode_retries``) and reported.
+Without an address (and no ``RAY_ADDRESS``) a local cluster starts with its files inside the run directory;
+``ray.address`` (``auto`` or ``HOST:PORT``) or ``RAY_ADDRESS`` joins an existing one with no other change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import tempfile
+import threading
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+from agentflow.types import GenerateResult, SamplingParams
+
+try:  # ray is an optional dependency (the ``ray`` extra); importing this module without it fails at use
+    import ray
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError:  # pragma: no cover - exercised only where ray is missing
+    ray = None
+
+LOST = (RayActorError, ActorDiedError, ActorUnavailableError) if ray is not None else ()
+
+
+class WorkerLost(RuntimeError):
+    """An engine or env worker died under an episode; the episode can be retried once the worker is back."""
+
+
+def _need_ray() -> None:
+    if ray is None:
+        raise RuntimeError("ray.enabled needs the ray package: pip install 'agentflow[ray]'")
+
+
+def init_ray(cfg: Any, run_dir: Path) -> str:
+    """Join ``cfg.address`` / ``RAY_ADDRESS`` when given, else start a small local cluster writing inside the run dir.
+
+    Returns ``"joined"`` or ``"local"``.
+    """
+    _need_ray()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # a ray call after shutdown must fail, not quietly start (or hang joining) another cluster
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+    if ray.is_initialized():
+        return "joined"
+    env_vars = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "RAY_USAGE_STATS_ENABLED": "0"}
+    runtime_env = {"env_vars": env_vars}
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, configure_logging=False)
+        return "joined"
+    _STARTED_LOCAL[0] = True
+    ray.init(
+        num_cpus=cfg.num_cpus,
+        include_dashboard=False,
+        _temp_dir=_short_temp_dir(Path(run_dir).resolve() / "ray"),
+        runtime_env=runtime_env,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    return "local"
+
+
+def _short_temp_dir(temp: Path) -> str:
+    """``temp``, or a short symlink to it: Ray's sockets live under the temp dir and AF_UNIX paths are limited to 107
+    bytes, which a deep run directory exceeds. The files stay in the run directory either way."""
+    temp.mkdir(parents=True, exist_ok=True)
+    if len(str(temp)) <= 40:
+        return str(temp)
+    link = Path(tempfile.gettempdir()) / f"agentflow-ray-{zlib.crc32(str(temp).encode()):08x}"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(temp, target_is_directory=True)
+    return str(link)
+
+
+_STARTED_LOCAL = [False]
+
+
+def shutdown_ray() -> None:
+    """Leave the cluster (a local one stops) and forget its address, so the next job starts its own again."""
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    if _STARTED_LOCAL[0]:  # ray.init exported the local cluster's address; it is gone now
+        os.environ.pop("RAY_ADDRESS", None)
+        _STARTED_LOCAL[0] = False
+
+
+# ------------------------------------------------------------------------------------------------------ actors
+
+
+class EngineActor:
+    """One embedded engine in its own process; ``incarnation`` changes when Ray restarts it."""
+
+    def __init__(self, engine_cfg: Any, model_dir: str, seed: int) -> None:
+        from agentflow.engine.factory import make_engine
+
+        self.engine = make_engine(engine_cfg, model_dir, seed=seed)
+        self.incarnation = uuid.uuid4().hex
+
+    def info(self) -> dict[str, Any]:
+        return {"incarnation": self.incarnation, "version": self.engine.weight_version, "pid": os.getpid()}
+
+    async def generate(self, ids: list[int], sampling: SamplingParams, rid: str | None) -> GenerateResult:
+        return await self.engine.generate(ids, sampling, rid)
+
+    def update_weights(self, version: int, named: dict[str, Any]) -> str:
+        self.engine.update_weights(version, named)
+        return self.incarnation
+
+    def call(self, method: str, *args: Any) -> Any:
+        """pause / resume / flush_cache / score / abort: the engine's own method."""
+        if method not in ("pause", "resume", "flush_cache", "score", "abort"):
+            raise AttributeError(f"engine method {method!r} is not remote-callable")
+        return getattr(self.engine, method)(*args)
+
+
+class EnvWorker:
+    """Many envs in one async actor; an env is made at reset when its handle is new here (or the worker restarted)."""
+
+    def __init__(self) -> None:
+        self.envs: dict[str, Any] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def reset(self, handle: str, env_id: str, kwargs: dict, seed: int, options: dict) -> tuple:
+        import envs
+
+        env = self.envs.get(handle)
+        if env is None:
+            env = self.envs[handle] = envs.make(env_id, **kwargs)
+        obs, info = await env.areset(seed=seed, options=options)
+        return obs, info, env.system_prompt, list(env.tools), env.max_turns
+
+    async def step(self, handle: str, action: str) -> tuple:
+        env = self.envs.get(handle)
+        if env is None:
+            raise WorkerLost(f"env {handle} is not on this worker (it restarted since the reset)")
+        return await env.astep(action)
+
+    def close(self, handle: str) -> None:
+        env = self.envs.pop(handle, None)
+        if env is not None:
+            env.close()
+
+
+class TrainerActor:
+    """The trainer group (one or ``tp * dp`` processes) launched from inside a Ray actor."""
+
+    def __init__(self, model_dir: str, settings: Any, tp: int, dp: int) -> None:
+        from trainer.launcher import make_trainer_group
+
+        self.group = make_trainer_group(model_dir, settings, tp=tp, dp=dp)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """A :class:`trainer.types.TrainerGroup` method; returns its result and the version after it."""
+        if method not in ("version", "train_step", "export_weights", "save_checkpoint", "load_checkpoint"):
+            raise AttributeError(f"trainer method {method!r} is not remote-callable")
+        out = self.group.version if method == "version" else getattr(self.group, method)(*args)
+        return out, self.group.version
+
+    def pids(self) -> list[int]:
+        return [os.getpid(), *self.group.pids()]
+
+    def close(self) -> None:
+        self.group.close()
+
+
+# ------------------------------------------------------------------------------------------- controller side
+
+
+class RayEngine:
+    """The controller's view of the engine actors: one engine to the agent loop and to the weight transports."""
+
+    def __init__(self, actors: list[Any]) -> None:
+        self.actors = actors
+        self._incarnations = [ray.get(a.info.remote())["incarnation"] for a in actors]
+        self._version = 0
+        self._latest: tuple[int, Any] | None = None  # (version, object ref of the tensors) for restarted engines
+        self.lost: set[str] = set()
+        """Trajectory ids whose engine died under them (the rollout layer retries and clears them)."""
+        self.restarts = 0
+        self._recovering = threading.Lock()
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def _pick(self, rid: str | None) -> int:
+        traj = (rid or "").split(":")[0]
+        return zlib.crc32(traj.encode()) % len(self.actors)
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None) -> GenerateResult:
+        k = self._pick(rid)
+        floor = self._version  # tokens may come from this version or newer ones (updates mid-generation), never older
+        try:
+            res = await self.actors[k].generate.remote(list(input_ids), sampling, rid)
+        except LOST as e:
+            await self._lose(k, rid)
+            raise WorkerLost(f"engine {k} died under request {rid}: {type(e).__name__}") from e
+        if res.versions and min(res.versions) < floor:  # a restarted engine answered before it had our weights
+            await self._lose(k, rid)
+            raise WorkerLost(f"engine {k} restarted under request {rid}: it sampled with version {min(res.versions)}")
+        return res
+
+    async def _lose(self, k: int, rid: str | None) -> None:
+        self.lost.add((rid or "").split(":")[0])
+        await asyncio.to_thread(self._recover, k)
+
+    def _recover(self, k: int, timeout: float = 120.0) -> None:
+        """Wait for Ray to bring engine ``k`` back; a new incarnation gets the newest weights before serving again."""
+        with self._recovering:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    info = ray.get(self.actors[k].info.remote())
+                    break
+                except LOST:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
+            if self._latest is not None and info["version"] != self._latest[0]:
+                self._note(k, ray.get(self.actors[k].update_weights.remote(*self._latest)))
+            else:
+                self._note(k, info["incarnation"])
+
+    def _note(self, k: int, incarnation: str) -> None:
+        if incarnation != self._incarnations[k]:
+            self.restarts += 1
+            self._incarnations[k] = incarnation
+
+    def update_weights(self, version: int, named_tensors: dict[str, Any]) -> None:
+        """Apply a whole version on every engine (each validates and applies all or nothing); an engine that is
+        restarting gets it once it is back."""
+        ref = ray.put(dict(named_tensors))
+        self._latest = (version, ref)
+        for k, call in enumerate([a.update_weights.remote(version, ref) for a in self.actors]):
+            try:
+                self._note(k, ray.get(call))
+            except LOST:
+                self._recover(k)
+        self._version = version
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        """``method`` on every live engine; a dead one is skipped (it comes back with the newest weights anyway)."""
+        out = []
+        for call in [a.call.remote(method, *args) for a in self.actors]:
+            try:
+                out.append(ray.get(call))
+            except LOST:
+                out.append(None)
+        return out
+
+    def pause(self, mode: str = "in_place") -> None:
+        self._all("pause", mode)
+
+    def resume(self) -> None:
+        self._all("resume")
+
+    def flush_cache(self) -> bool:
+        return all(r is not False for r in self._all("flush_cache"))
+
+    def score(self, ids: list[int], start: int, top_k: int = 0) -> Any:
+        return ray.get(self.actors[0].call.remote("score", ids, start, top_k))
+
+    def pids(self) -> list[int]:
+        return [i["pid"] for i in ray.get([a.info.remote() for a in self.actors])]
+
+    def close(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+
+
+class RemoteEnv:
+    """An env on an :class:`EnvWorker`, with the attributes and coroutines the agent loop uses."""
+
+    def __init__(self, worker: Any, env_id: str, kwargs: dict[str, Any]) -> None:
+        self.worker, self.env_id, self.kwargs = worker, env_id, kwargs
+        self.handle = uuid.uuid4().hex
+        self.system_prompt, self.tools, self.max_turns = "", [], 1
+        self.lost = False
+        self._agentflow_pool_key = ""
+
+    async def _call(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except (*LOST, WorkerLost) as e:  # WorkerLost: the worker restarted since this env's reset
+            self.lost = True
+            raise WorkerLost(f"env worker died under env {self.handle}: {type(e).__name__}") from e
+
+    async def areset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
+        ref = self.worker.reset.remote(self.handle, self.env_id, self.kwargs, seed, options or {})
+        obs, info, self.system_prompt, self.tools, self.max_turns = await self._call(ref)
+        return obs, info
+
+    async def astep(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        return await self._call(self.worker.step.remote(self.handle, action))
+
+    def close(self) -> None:
+        if not self.lost:
+            try:
+                ray.get(self.worker.close.remote(self.handle), timeout=10)
+            except LOST:
+                pass
+
+
+class RemoteEnvPool:
+    """:class:`agentflow.rollout.EnvPool`'s interface over env workers: envs spread round-robin, reused when healthy."""
+
+    def __init__(self, workers: list[Any], env_id: str, kwargs: dict[str, Any]) -> None:
+        import envs
+
+        envs.spec(env_id)  # fail fast with the registry's "did you mean" message
+        self.workers, self.env_id, self.kwargs = workers, env_id, kwargs
+        self._next = itertools.cycle(range(len(workers)))
+        self._free: dict[str, list[RemoteEnv]] = {}
+        self._all: list[RemoteEnv] = []
+
+    def acquire(self, env_id: str | None = None, kwargs: dict[str, Any] | None = None) -> RemoteEnv:
+        from agentflow.rollout import EnvPool
+
+        env_id, kwargs = env_id or self.env_id, self.kwargs if kwargs is None else kwargs
+        key = EnvPool._key(env_id, kwargs)
+        free = self._free.setdefault(key, [])
+        if free:
+            return free.pop()
+        env = RemoteEnv(self.workers[next(self._next)], env_id, kwargs)
+        env._agentflow_pool_key = key
+        self._all.append(env)
+        return env
+
+    def release(self, env: RemoteEnv) -> None:
+        if env.lost:  # its worker restarted: the env is gone with it
+            self._all.remove(env)
+            return
+        self._free.setdefault(env._agentflow_pool_key, []).append(env)
+
+    def pids(self) -> list[int]:
+        return ray.get([w.pid.remote() for w in self.workers])
+
+    def close(self) -> None:
+        for env in self._all:
+            env.close()
+        self._all.clear()
+        self._free.clear()
+
+
+class RayTrainerGroup:
+    """:class:`trainer.types.TrainerGroup` over a :class:`TrainerActor`."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self._version = 0
+        self._version = self._call("version")
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _call(self, method: str, *args: Any) -> Any:
+        from trainer.launcher import TrainerError
+
+        try:
+            out, self._version = ray.get(self.actor.call.remote(method, *args))
+        except LOST as e:
+            raise TrainerError(f"the trainer actor died during '{method}': {e}") from e
+        return out
+
+    def train_step(self, samples: list[Any], loss: str | None = None) -> dict[str, float]:
+        return self._call("train_step", samples, loss)
+
+    def export_weights(self) -> dict[str, Any]:
+        return self._call("export_weights")
+
+    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
+        self._call("save_checkpoint", path, extra)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        return self._call("load_checkpoint", path)
+
+    def pids(self) -> list[int]:
+        return ray.get(self.actor.pids.remote())
+
+    def close(self) -> None:
+        try:
+            ray.get(self.actor.close.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - closing a dead actor: nothing left to close
+            pass
+        ray.kill(self.actor)
+
+
+class RayRuntime:
+    """Starts the actors of one job on a placement group (``colocated``: packed on one node; ``separate``: spread)."""
+
+    def __init__(self, cfg: Any, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.cluster = init_ray(cfg.ray, run_dir)
+        r = cfg.ray
+        n = r.engines + r.env_workers + 1
+        strategy = "PACK" if r.placement == "colocated" else "SPREAD"
+        self.pg = placement_group([{"CPU": r.actor_cpus}] * n, strategy=strategy)
+        ray.get(self.pg.ready(), timeout=120)
+        self._bundle = itertools.count()
+
+    def _opts(self, restarts: int) -> dict[str, Any]:
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=next(self._bundle))
+        return {"num_cpus": self.cfg.ray.actor_cpus, "scheduling_strategy": strategy, "max_restarts": restarts}
+
+    def trainer(self, model_dir: Path, settings: Any) -> RayTrainerGroup:
+        tr = self.cfg.trainer
+        actor = ray.remote(TrainerActor).options(**self._opts(0)).remote(str(model_dir), settings, tr.tp, tr.dp)
+        return RayTrainerGroup(actor)
+
+    def engine(self, model_dir: Path) -> RayEngine:
+        restarts = self.cfg.ray.max_restarts
+        cls = ray.remote(EngineActor)
+        seed = self.cfg.run.seed
+        actors = [
+            cls.options(**self._opts(restarts), max_concurrency=1000).remote(self.cfg.engine, str(model_dir), seed + i)
+            for i in range(self.cfg.ray.engines)
+        ]
+        return RayEngine(actors)
+
+    def env_pool(self) -> RemoteEnvPool:
+        cls = ray.remote(EnvWorker)
+        restarts = self.cfg.ray.max_restarts
+        workers = [cls.options(**self._opts(restarts)).remote() for _ in range(self.cfg.ray.env_workers)]
+        return RemoteEnvPool(workers, self.cfg.env.id, dict(self.cfg.env.kwargs))
+
+    def close(self) -> None:
+        try:
+            remove_placement_group(self.pg)
+        finally:
+            shutdown_ray()
