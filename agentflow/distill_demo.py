@@ -29,6 +29,7 @@ ENVS = {
     "qa": ("agentflow/Retrieval-v0", {"task_set": "single_hop"}),
 }
 EVAL_EPISODES = 100
+CONFIG = "configs/distill.yaml"
 
 
 def _cfg(overrides: list[str]) -> JobConfig:
@@ -81,21 +82,76 @@ def train_models() -> dict[str, Any]:
         "agentflow.distill_experts:qa_expert",
         {"episodes": 1500, "max_epochs": 6, "lr": 2e-3, "batch_size": 32},
     )
-    models = {"student": str(student), "teacher_calc": str(calc), "teacher_qa": str(qa)}
-    scores = {name: {env: evaluate(Path(path), env)["success"] for env in ENVS} for name, path in models.items()}
-    out = {"models": models, "success": scores}
+    models = {"student": student, "teacher-calc": calc, "teacher-qa": qa}
+    for name, path in models.items():  # stable names for configs/distill.yaml
+        link = ROOT / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(path.resolve())
+    scores = {name: {env: evaluate(path, env)["success"] for env in ENVS} for name, path in models.items()}
+    out = {"models": {k: str(v) for k, v in models.items()}, "success": scores}
     (ROOT / "models.json").write_text(json.dumps(out, indent=2))
     return out
 
 
+def run_jobs(overrides: list[str], which: list[str]) -> dict[str, Any]:
+    """Stages 3 and 4: distillation and RL alone from the same student, same steps and batch sizes."""
+    from agentflow.distill import run_distill, run_rl_per_source
+
+    out = {}
+    if "distill" in which:
+        cfg = load_config(CONFIG, ["run.progress=false", *overrides])
+        out["distill"] = run_distill(cfg)
+    if "rl" in which:
+        rl = ["teachers.models=[]", "trainer.drop_uniform_groups=true", f"run.dir={ROOT / 'rl'}"]
+        cfg = load_config(CONFIG, ["run.progress=false", *overrides, *rl])
+        out["rl"] = run_rl_per_source(cfg)
+    return out
+
+
+def summarize() -> dict[str, Any]:
+    """``runs/distill/summary.json``: per env, the teacher, the student before, after distillation, after RL alone."""
+    models = json.loads((ROOT / "models.json").read_text())
+    distill = json.loads((ROOT / "distill" / "summary.json").read_text())
+    rl = json.loads((ROOT / "rl" / "summary.json").read_text())
+    per_env = {}
+    for env in ENVS:
+        teacher = models["success"][f"teacher-{env}"][env]
+        after = distill["per_source"][env]["after"]
+        per_env[env] = {
+            "teacher": teacher,
+            "student_before": distill["per_source"][env]["before"],
+            "student_after_distillation": after,
+            "student_after_rl_alone": rl["per_source"][env]["after"],
+            "teacher_gain_over_student": teacher - distill["per_source"][env]["before"],
+            "distilled_within_0.10_of_teacher": after >= teacher - 0.10,
+            "distillation_beats_rl_alone": after > rl["per_source"][env]["after"],
+        }
+    summary = {
+        "per_env": per_env,
+        "models": models,
+        "steps": distill["steps"],
+        "trajectories": {"distill": distill["trajectories_trained"], "rl": rl["trajectories_trained"]},
+        "wall_s": {"distill": distill["wall_s"], "rl": rl["wall_s"]},
+        "teacher_stats": distill["teacher_stats"],
+        "eval_episodes_per_env": EVAL_EPISODES,
+    }
+    (ROOT / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=["models", "all"], nargs="?", default="all")
+    p.add_argument("stage", choices=["models", "distill", "rl", "summary", "all"], nargs="?", default="all")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for both jobs, e.g. run.steps=20")
     args = p.parse_args(argv)
     ROOT.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(train_models(), indent=2))
-    if args.stage == "models":
-        return 0
+    if args.stage in ("models", "all"):
+        print(json.dumps(train_models(), indent=2))
+    if args.stage in ("distill", "rl", "all"):
+        run_jobs(args.overrides, ["distill", "rl"] if args.stage == "all" else [args.stage])
+    if args.stage in ("summary", "all"):
+        print(json.dumps(summarize()["per_env"], indent=2))
     return 0
 
 
