@@ -36,10 +36,17 @@ def _example(tok: ChatTokenizer, rng: random.Random) -> tuple[list[int], list[in
     system = rng.choice(["", "Answer the arithmetic question.", "You are a helpful assistant.", "Use tools."])
     question = rng.choice(["What is 2 + 3?", "Compute 2 + 3.", "what is two plus three", "2+3=?", "What is 41 * 7?"])
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    p1 = tok.encode(render_conversation(msgs, _tools(rng), add_generation_prompt=True))
-    p2 = tok.continuation_ids([{"role": "tool", "content": rng.choice(["5", "5.0", "287"])}])
-    o1, o2 = tok.encode(CALL), tok.encode(ANSWER)
-    return p1 + o1 + p2 + o2, [0] * len(p1) + [1] * len(o1) + [0] * len(p2) + [1] * len(o2)
+    ids = tok.encode(render_conversation(msgs, _tools(rng), add_generation_prompt=True))
+    mask = [0] * len(ids)
+    for r in range(rng.choice([1, 1, 2, 3])):  # later rounds: a new question after an answer calls the tool again
+        if r:
+            user = tok.continuation_ids([{"role": "user", "content": question}])
+            ids, mask = ids + user, mask + [0] * len(user)
+        result = tok.continuation_ids([{"role": "tool", "content": rng.choice(["5", "5.0", "287"])}])
+        o1, o2 = tok.encode(CALL), tok.encode(ANSWER)
+        ids = ids + o1 + result + o2
+        mask = mask + [1] * len(o1) + [0] * len(result) + [1] * len(o2)
+    return ids, mask
 
 
 def train_tool_model(out: Path, steps: int = 70) -> Path:
