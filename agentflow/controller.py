@@ -132,8 +132,10 @@ def to_samples(groups: list[Group], drop_uniform: bool = False) -> list[Sample]:
     ``drop_uniform`` leaves out groups whose scored trajectories all have the same reward (zero advantage).
     """
     out = []
+    batch_tokens = 0
     for g in groups:
         scored = [t for t in g.trajectories if t.status in ("ok", "truncated") and t.reward is not None]
+        batch_tokens += sum(t.num_model_tokens() for t in scored)
         if drop_uniform and len({t.reward for t in scored}) <= 1:
             continue
         for t in scored:
@@ -145,6 +147,9 @@ def to_samples(groups: list[Group], drop_uniform: bool = False) -> list[Sample]:
                 if sample.turn_rewards and i == len(t.segments) - 1:
                     sample.turn_rewards[-1] = t.reward  # the episode's reward belongs to its last turn
                 out.append(sample)
+    if drop_uniform:  # left-out groups still count in the loss's token average (see Sample.norm_tokens)
+        for sample in out:
+            sample.norm_tokens = batch_tokens
     if not out and not drop_uniform:
         raise RuntimeError(f"no trainable trajectories in a batch of {len(groups)} groups (all errored or aborted)")
     return out

@@ -108,12 +108,16 @@ def verify(task: Task, answer_text: str) -> bool:
 def garbled(a: int, b: int, kind: str) -> int:
     """The operand the scripted expert misreads, a fixed function of the task that looks arbitrary to a model.
 
-    "mod": a 2-digit divisor other than ``b``; "sub": ``b`` with its last digit replaced by another digit.
+    One digit of ``b`` is read as another digit: the divisor's first digit ("mod", 10..99 stays 2-digit) and the
+    subtrahend's last digit ("sub"). Which wrong digit depends on a hash of the task, so a model imitating the
+    expert cannot predict it; it keeps some probability on every digit there, the right one included, which is
+    what RL starts from. (A divisor misread as any other 2-digit number left ~1% of samples right and made the
+    RL take-off depend on the seed; see docs/decisions.md.)
     """
     h = (a * 7919 + b * 104729) % 1_000_003
     if kind == "mod":
-        c = 10 + h % 90
-        return c if c != b else 10 + (c - 10 + 1 + h % 89) % 90
+        first = b // 10
+        return (1 + (first - 1 + 1 + h % 8) % 9) * 10 + b % 10
     last = b % 10
     return b - last + (last + 1 + h % 9) % 10
 
@@ -122,8 +126,8 @@ def scripted_policy(task_type: str, question: str, history: list[tuple[str, str]
     """A deterministic expert: right on "add"/"mul", systematically wrong on "mod" and "sub".
 
     It always calls ``calc`` and then answers the tool's output. On "add"/"mul" it passes the question's expression;
-    on "mod" and "sub" it mis-handles the second operand: it misreads the divisor as another 2-digit number, and the
-    subtrahend's last digit as another digit (:func:`garbled`). The misreading is a fixed function of the task, so
+    on "mod" and "sub" it mis-handles the second operand: it misreads the divisor's first digit and the subtrahend's
+    last digit as another digit (:func:`garbled`). The misreading is a fixed function of the task, so
     the expert fails every such task, never by chance, while a model imitating it cannot predict the wrong digits.
     ``history`` is the episode's (action, observation) pairs so far.
     """

@@ -189,6 +189,7 @@ def test_uniform_groups_are_dropped_and_errors_never_scored():
     uniform = Group("uniform", 1, [traj("uniform", 0, 1.0), traj("uniform", 1, 1.0)])
     kept = to_samples([mixed, uniform], drop_uniform=True)
     assert [s.sample_id for s in kept] == ["mixed-0/0", "mixed-1/0"]
+    assert [s.norm_tokens for s in kept] == [4, 4]  # the dropped group's 2 model tokens still count
     assert len(to_samples([mixed, uniform])) == 4
     assert to_samples([uniform], drop_uniform=True) == []
     with pytest.raises(RuntimeError, match="no trainable trajectories"):

@@ -110,3 +110,12 @@ def test_bad_loss_settings_are_refused():
         LossSettings(name="ppo2")
     with pytest.raises(ValueError, match="off_policy"):
         replace(LossSettings(), off_policy="weird").__post_init__()
+
+
+def test_norm_tokens_scales_the_loss_average(tiny_model):
+    """Rows that carry a larger batch token count (dropped zero-advantage groups) give a proportionally smaller loss."""
+    samples = _samples()
+    own = sum(sum(s.loss_mask) for s in samples)
+    plain = _trainer(tiny_model).train_step(samples)
+    diluted = _trainer(tiny_model).train_step([replace(s, norm_tokens=4 * own) for s in samples])
+    assert diluted["loss"] == pytest.approx(plain["loss"] / 4, rel=1e-4)

@@ -156,7 +156,8 @@ class MegatronTrainer:
         adv, masks, old = ([r[k] for r in my_rows] for k in range(3))
         has_old = bool(old) and old[0] is not None
         batches = make_micro_batches(mine, adv, self.settings.micro_batch_tokens, masks, old if has_old else None)
-        denom = float(max(self._dp_sum(sum(b.num_tokens for b in batches)), 1))  # global token count
+        counted = self._dp_sum(sum(b.num_tokens for b in batches))  # global token count
+        denom = float(max(counted, max((s.norm_tokens for s in samples), default=0), 1))
         seqs = float(max(self._dp_sum(sum(int((b.target_mask.sum(-1) > 0).sum()) for b in batches)), 1))
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -223,7 +224,6 @@ class MegatronTrainer:
         if topk:
             logp, student_top = token_logprobs_at(self.model, mb.input_ids, mb.teacher_top_ids, mb.attention_mask())
         elif cfg.entropy_coef > 0:
-
             if self.settings.temperature != 1.0:
                 raise ValueError("the entropy bonus is defined at temperature 1; set rollout.temperature=1")
             logp, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask())

@@ -35,6 +35,10 @@ class Sample:
     turn_rewards: list[float] = field(default_factory=list)
     """Reward of each turn (the last includes the final reward), for turn-level credit."""
     extra: dict[str, Any] = field(default_factory=dict)
+    norm_tokens: int = 0
+    """If > 0: the model-token count the batch's loss is averaged over, when it exceeds the rows' own (the
+    controller counts groups it left out for having zero advantage, so a batch with little signal takes a small
+    step instead of a full one on a few rows). Every row of a batch carries the same value."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
