@@ -4,8 +4,9 @@ Stages (each cached in ``runs/distill``, run ``python -m agentflow.distill_demo`
 
 1. **student**: warm-up SFT of a fresh model on envs.demo's flawed Calc expert (right on add/mul, wrong on
    mod/sub) - the demo's usual starting point. It has never seen the retrieval env.
-2. **teachers**: the student fine-tuned by SFT on a *correct* Calc expert (teacher ``calc``) and, separately, on
-   the retrieval env's single-hop expert (teacher ``qa``). Same tokenizer as the student by construction.
+2. **teachers**: the student's warm-up after 2 epochs (:func:`teacher_init`) fine-tuned by SFT on a *correct*
+   Calc expert (teacher ``calc``) and, separately, on the retrieval env's single-hop expert (teacher ``qa``). Same
+   tokenizer as the student by construction.
 3. **distill**: ``agentflow distill configs/distill.yaml``: on-policy distillation from both teachers, each data
    source routed to its teacher, at most one teacher resident.
 4. **rl**: the same job without teachers (GRPO on the environment reward alone), same number of samples.
@@ -57,31 +58,43 @@ def evaluate(model_dir: Path, env: str, episodes: int = EVAL_EPISODES) -> dict[s
     return run_eval(_cfg(over), str(model_dir))
 
 
-def train_models() -> dict[str, Any]:
-    """Stages 1 and 2: the student and both teachers (SFT results are cached by hash)."""
+STUDENT_SFT = {"episodes": 2000, "max_epochs": 8, "lr": 2e-3, "batch_size": 32}
+
+
+def base_model() -> Path:
     from agentflow.model_init import ModelInitConfig, init_model
 
     base = ROOT / "base"
     if not (base / "config.json").is_file():
         init_model(base, ModelInitConfig(seed=0), env_ids=[ENVS["calc"][0], ENVS["qa"][0]])
-    student = _sft(
-        base,
-        "calc",
-        "envs.demo:expert_action",
-        {"episodes": 2000, "max_epochs": 8, "lr": 2e-3, "batch_size": 32},
-    )
-    calc = _sft(
-        student,
-        "calc",
-        "agentflow.distill_experts:calc_expert",
-        {"episodes": 1000, "max_epochs": 3, "lr": 1e-3, "batch_size": 32},
-    )
-    qa = _sft(
-        student,
-        "qa",
-        "agentflow.distill_experts:qa_expert",
-        {"episodes": 1500, "max_epochs": 6, "lr": 2e-3, "batch_size": 32},
-    )
+    return base
+
+
+def teacher_init() -> Path:
+    """The teachers' starting weights: the student's warm-up after its second epoch, when it has learnt the chat
+    and tool-call format and to copy digits, but not yet the flawed expert's mistakes in full. Our run copied that
+    epoch's checkpoint to ``runs/distill/teacher-init``; without it, a 2-epoch run of the same recipe stands in (its
+    LR schedule is shorter, so it is close to, not identical with, that checkpoint)."""
+    init = ROOT / "teacher-init"
+    if (init / "config.json").is_file():
+        return init
+    return _sft(base_model(), "calc", "envs.demo:expert_action", {**STUDENT_SFT, "max_epochs": 2})
+
+
+def train_teachers() -> tuple[Path, Path]:
+    """Teacher ``calc``: SFT on the correct Calc expert; teacher ``qa``: SFT on the single-hop retrieval expert."""
+    init = teacher_init()
+    calc = _sft(init, "calc", "agentflow.distill_experts:calc_expert", {"episodes": 1000, "max_epochs": 3,
+                                                                         "lr": 1e-3, "batch_size": 32})  # fmt: skip
+    qa = _sft(init, "qa", "agentflow.distill_experts:qa_expert", {"episodes": 800, "max_epochs": 4, "lr": 2e-3,
+                                                                   "batch_size": 32})  # fmt: skip
+    return calc, qa
+
+
+def train_models() -> dict[str, Any]:
+    """Stages 1 and 2: the student and both teachers (SFT results are cached by hash), and their success."""
+    student = _sft(base_model(), "calc", "envs.demo:expert_action", STUDENT_SFT)
+    calc, qa = train_teachers()
     models = {"student": student, "teacher-calc": calc, "teacher-qa": qa}
     for name, path in models.items():  # stable names for configs/distill.yaml
         link = ROOT / name
@@ -142,10 +155,13 @@ def summarize() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=["models", "distill", "rl", "summary", "all"], nargs="?", default="all")
+    stages = ["models", "teachers", "distill", "rl", "summary", "all"]
+    p.add_argument("stage", choices=stages, nargs="?", default="all")
     p.add_argument("overrides", nargs="*", help="dotted overrides for both jobs, e.g. run.steps=20")
     args = p.parse_args(argv)
     ROOT.mkdir(parents=True, exist_ok=True)
+    if args.stage == "teachers":
+        print(train_teachers())
     if args.stage in ("models", "all"):
         print(json.dumps(train_models(), indent=2))
     if args.stage in ("distill", "rl", "all"):
