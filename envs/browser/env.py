@@ -135,6 +135,7 @@ class BrowserEnv(ScreenEnv):
         """1.0 when every goal condition holds in the app's server state."""
         if self.task is None:
             raise EnvError("no task: call reset() first")
+        self._raise_if_crashed(None)  # the state may be intact, but an episode whose browser died is not scored
         self._checks = check_state(self.task, self.apps.state)
         ok = all(self._checks.values())
         return (1.0 if ok else 0.0), ok

@@ -159,7 +159,7 @@ class DesktopEnv(ScreenEnv):
         self._input = XInput(self.xvfb.display)
         import mss
 
-        self._grabber = mss.mss(display=self.xvfb.display)
+        self._grabber = mss.MSS(display=self.xvfb.display)
 
     def _drop_x_clients(self) -> None:
         if self._input is not None:

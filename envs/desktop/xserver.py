@@ -241,7 +241,7 @@ def screenshot_png(display: str, grabber: object | None = None) -> bytes:
     import mss
     import mss.tools
 
-    sct = grabber if grabber is not None else mss.mss(display=display)
+    sct = grabber if grabber is not None else mss.MSS(display=display)
     try:
         shot = sct.grab(sct.monitors[0])  # type: ignore[attr-defined]
         return mss.tools.to_png(shot.rgb, shot.size) or b""

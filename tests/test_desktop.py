@@ -1,0 +1,100 @@
+"""The desktop env on a real Xvfb with the shipped Tk apps, driven through XTEST."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import shutil
+
+import pytest
+from conftest import require
+from test_browser import check_png
+
+from envs.core import tool_action
+
+pytestmark = pytest.mark.desktop
+
+
+def require_desktop() -> None:
+    ok = shutil.which("Xvfb") is not None and all(importlib.util.find_spec(m) for m in ("Xlib", "mss", "tkinter"))
+    require(ok, "Xvfb + python-xlib + mss + tkinter (apt-get install xvfb; pip install python-xlib mss)")
+
+
+@pytest.fixture(scope="module")
+def env():
+    require_desktop()
+    from envs.desktop.env import DesktopEnv
+
+    e = DesktopEnv()
+    yield e
+    e.close()
+
+
+def play_expert(env, seed: int, task_type: str) -> tuple[float, dict, list[bytes]]:
+    from envs.desktop.tasks import expert_action
+
+    _, info = env.reset(seed=seed, options={"task_type": task_type})
+    images = list(info["images"])
+    history: list[tuple[str, str]] = []
+    while True:
+        action = expert_action(env, history)
+        obs, reward, terminated, truncated, info = env.step(action)
+        images += info["images"]
+        history.append((action, obs))
+        if terminated or truncated:
+            return reward, info, images
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("task_type", ["calculator", "editor"])
+def test_expert_solves_every_task_type(env, task_type, seed, tmp_path):
+    reward, info, images = play_expert(env, seed, task_type)
+    assert reward == 1.0 and info["success"] and all(info["checks"].values()), info
+    for i, png in enumerate(images):
+        check_png(png, (640, 480))
+        (tmp_path / f"{task_type}-{i}.png").write_bytes(png)
+
+
+def test_async_twin(env):
+    from envs.desktop.tasks import expert_action
+
+    async def episode() -> float:
+        await env.areset(seed=4, options={"task_type": "editor"})
+        history: list[tuple[str, str]] = []
+        while True:
+            action = expert_action(env, history)
+            obs, reward, terminated, truncated, _ = await env.astep(action)
+            history.append((action, obs))
+            if terminated or truncated:
+                return reward
+
+    assert asyncio.run(episode()) == 1.0
+
+
+def test_the_observation_is_the_apps_widget_tree(env):
+    from envs.desktop.tasks import find_center
+
+    obs, _ = env.reset(seed=0, options={"task_type": "calculator"})
+    assert "Window: Calculator" in obs and 'Button "equals" "=" center (' in obs
+    x, y = find_center(obs, "display")
+    obs, *_ = env.step(tool_action("click", {"x": x, "y": y}))
+    assert 'Entry "display" center' in obs and "[focused]" in obs
+    env.step(tool_action("type_text", {"text": "12*3"}))
+    obs, *_ = env.step(tool_action("key", {"combo": "Return"}))
+    assert 'Entry "display" "36"' in obs
+
+
+def test_check_env_passes(env):
+    from envs.checker import check_agent_env
+
+    check_agent_env(env)
+
+
+def test_bad_input_is_an_error_observation(env):
+    env.reset(seed=0, options={"task_type": "editor"})
+    out, *_ = env.step(tool_action("click", {"x": 5000, "y": 3}))
+    assert out.startswith("Error: (5000, 3) is outside the screen")
+    out, *_ = env.step(tool_action("key", {"combo": "ctrl+NoSuchKey"}))
+    assert out.startswith("Error: unknown key 'NoSuchKey'")
+    out, *_ = env.step(tool_action("type_text", {"text": "中"}))
+    assert out.startswith("Error: cannot type '中'")
