@@ -125,6 +125,9 @@ def run_job(cfg: JobConfig, log=print, resume: bool = False) -> dict[str, Any]:
         from agentflow.report import plot_success
 
         summary["plot"] = str(plot_success(run_dir))
+        from agentflow.report import plot_run
+
+        summary["report"] = str(plot_run(run_dir))
     return summary
 
 
@@ -270,6 +273,10 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, resume: bool
         "restored_trajectories": sum(len(g.trajectories) for g in state.groups) if state else 0,
         "policy_dir": str(policy_dir),
         "faults": fault_report(rollouts, engine),
+        "timeline": {  # busy spans in seconds since the RL loop started (the report's utilisation plot)
+            "engine": [(a - result.start, b - result.start) for a, b in engine_spans],
+            "trainer": [(a - result.start, b - result.start) for a, b in trainer_spans],
+        },
         "runtime": f"ray ({runtime.cluster} cluster)" if runtime is not None else "local processes",
     }
 

@@ -49,3 +49,37 @@ def plot_success(run_dir: str | Path, out: str | Path | None = None, smooth: int
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """The run report: reward per RL step, the staleness histogram, and when the engine and the trainer were busy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = Path(run_dir)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    s = json.loads((run / "summary.json").read_text())
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    steps = [r["step"] for r in rows]
+    axes[0].plot(steps, [r.get("rollout/reward_mean", 0.0) for r in rows], color="k", lw=1, alpha=0.4)
+    axes[0].plot(steps, _smooth([r.get("rollout/reward_mean", 0.0) for r in rows], 5), color="k", lw=2)
+    axes[0].set(xlabel="RL step", ylabel="mean reward (sampled)", title="reward")
+    hist = {int(k): v for k, v in s.get("staleness_histogram", {}).items()}
+    axes[1].bar(list(hist), list(hist.values()), color="#58a")
+    axes[1].axvline(s.get("stale_steps", 0) + 0.5, color="r", ls="--", lw=1, label="bound")
+    axes[1].set(xlabel="staleness (versions)", ylabel="trajectories", title=f"staleness (max {max(hist, default=0)})")
+    axes[1].legend(fontsize=8)
+    timeline = s.get("timeline", {})
+    for y, (name, color) in enumerate((("engine", "#2a7"), ("trainer", "#c63"))):
+        spans = timeline.get(name, [])
+        axes[2].broken_barh([(a, b - a) for a, b in spans], (y - 0.4, 0.8), color=color)
+    axes[2].set_yticks([0, 1], ["engine", "trainer"])
+    axes[2].set(xlabel="seconds since RL start", title=f"utilisation (overlap {s.get('overlap_fraction', 0):.0%})")
+    fig.suptitle(f"{run.name}: {s.get('mode')} mode, {s.get('rl_steps')} steps")
+    fig.tight_layout()
+    path = Path(out) if out else run / "report.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,71 +1,156 @@
-"""Asynchronous vs synchronous RL on the same job, side by side in one process.
+"""``sync`` vs ``one_step`` vs ``async`` RL on the same job, side by side in one process.
 
-Runs the demo environment with the demo-size model (no warm-up, so rewards are mostly zero: this measures the
-machinery, not learning) for the same number of steps in ``sync`` and ``async`` mode, and writes
-``benchmarks/results/async_vs_sync.json`` and ``.png``: RL wall time, trained trajectories per second, the
-engine/trainer busy fractions and their overlap, staleness.
+The workload is the demo task (agentflow/Calc-v0) whose every env step (tool call or answer check) waits for real:
+a lognormal latency with median 0.3 s and sigma 1, capped at 8 s (``bench/SlowCalc-v0``), as a remote tool or a
+verifier would. Each mode runs the same model, data (task draws) and number of trained samples; the held-out
+episodes before and after RL are the same for every mode. A second pass with zero latency measures what overlap
+alone buys. Writes ``benchmarks/results/async_vs_sync.json`` and ``.png``.
 
-    .venv/bin/python benchmarks/async_vs_sync.py --steps 8 --repeats 2
+    .venv/bin/python benchmarks/async_vs_sync.py            # demo model after warm-up SFT (cached), 30 steps
+    .venv/bin/python benchmarks/async_vs_sync.py --quick    # CI: a tiny random model, a few steps
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import json
+import math
+import random
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import _path  # noqa: F401  (must come before the project's imports: see _path.py)
 
+import envs
 from agentflow.config import load_config
 from agentflow.job import run_job
-from agentflow.model_init import init_model
+from agentflow.model_init import ModelInitConfig, init_model
+from envs.demo import CalcEnv
 
-KEYS = ("rl_wall_s", "overlap_fraction", "engine_busy_fraction", "trainer_busy_fraction", "mean_staleness")
+MODES = ("sync", "one_step", "async")
+TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
 
 
-def run(mode: str, model: Path, out: Path, steps: int) -> dict:
-    cfg = load_config(
-        "configs/demo.yaml",
-        [
-            f"model.path={model}",
-            "sft.enabled=false",
-            f"run.mode={mode}",
-            f"run.steps={steps}",
-            f"run.dir={out / mode}",
-            "run.progress=false",
-            "eval.episodes=8",
-        ],
-    )
+class SlowCalc(CalcEnv):
+    """Calc whose tool calls and answer checks take a lognormal time (median ``median_s``, sigma, capped)."""
+
+    _instances = itertools.count()
+
+    def __init__(self, median_s: float = 0.3, sigma: float = 1.0, cap_s: float = 8.0, seed: int = 0, **kw: Any):
+        super().__init__(**kw)
+        self.median_s, self.sigma, self.cap_s = median_s, sigma, cap_s
+        self._rng = random.Random(seed * 1000 + next(SlowCalc._instances))  # each env its own (reproducible) draws
+
+    async def _wait(self) -> None:
+        if self.median_s > 0:
+            await asyncio.sleep(min(self.cap_s, self._rng.lognormvariate(math.log(self.median_s), self.sigma)))
+
+    async def acall_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        await self._wait()
+        return await super().acall_tool(name, arguments)
+
+    async def ascore_answer(self, text: str) -> tuple[float, bool]:
+        await self._wait()
+        return await super().ascore_answer(text)
+
+
+def run(mode: str, model: Path, out: Path, args: argparse.Namespace, median_s: float) -> dict:
+    overrides = [
+        f"model.path={model}",
+        "env.id=bench/SlowCalc-v0",
+        f"env.kwargs={{median_s: {median_s}}}",
+        f"run.mode={mode}",
+        f"run.steps={args.steps}",
+        f"run.dir={out / f'{mode}-{median_s}'}",
+        "run.progress=false",
+        f"store.batch_groups={args.batch_groups}",
+        f"store.stale_steps={args.stale_steps}",
+        f"rollout.group_size={args.group_size}",
+        f"eval.episodes={args.eval_episodes}",
+    ]
+    if args.quick:
+        overrides += ["sft.enabled=false", "rollout.max_new_tokens=16", "engine.max_len=384"]
+        overrides += ["trainer.drop_uniform_groups=false", "trainer.micro_batch_tokens=2048"]
+    cfg = load_config(None if args.quick else "configs/demo.yaml", overrides)
     s = run_job(cfg, log=lambda *_: None)
-    s["trajectories_per_s"] = s["trajectories_trained"] / s["rl_wall_s"]
+    s["trained_samples_per_s"] = s["trajectories_trained"] / s["rl_wall_s"]
     return s
+
+
+KEYS = ("trained_samples_per_s", "rl_wall_s", "engine_busy_fraction", "trainer_busy_fraction", "overlap_fraction",
+        "mean_staleness", "max_staleness_seen", "success_before_rl", "success_after_rl",
+        "trajectories_trained")  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="tiny random model, few steps (CI)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--batch-groups", type=int, default=None)
+    ap.add_argument("--group-size", type=int, default=None)
+    ap.add_argument("--stale-steps", type=int, default=2, help="async mode's window (one_step is 1, sync 0)")
+    ap.add_argument("--eval-episodes", type=int, default=None)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
+    quick = {"steps": 4, "batch_groups": 2, "group_size": 4, "eval_episodes": 4}
+    full = {"steps": 30, "batch_groups": 6, "group_size": 8, "eval_episodes": 100}
+    for k, v in (quick if args.quick else full).items():
+        setattr(args, k, getattr(args, k) if getattr(args, k) is not None else v)
+    envs.register("bench/SlowCalc-v0", SlowCalc, max_turns=3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = init_model(Path(tmp) / "model")
+        if args.quick:
+            model = init_model(Path(tmp) / "model", TINY, env_ids=["agentflow/Calc-v0"])
+        else:  # the demo's base model (created on first use); its warm-up SFT is cached across runs
+            model = Path(load_config("configs/demo.yaml").model.path)
         for _ in range(args.repeats):
-            for mode in ("sync", "async"):  # interleaved so machine noise hits both alike
-                results[mode].append(run(mode, model, Path(tmp) / "runs", args.steps))
-    table = {
-        mode: {k: statistics.median(r[k] for r in runs) for k in (*KEYS, "trajectories_per_s")}
-        for mode, runs in results.items()
-    }
-    table["speedup_async_over_sync"] = table["async"]["trajectories_per_s"] / table["sync"]["trajectories_per_s"]
-    table["config"] = {"steps": args.steps, "repeats": args.repeats, "statistic": "median"}
+            for median in (0.3, 0.0):
+                for mode in MODES if median else ("sync", "async"):  # interleaved so machine noise hits all alike
+                    runs.setdefault(f"{mode}@{median}", []).append(run(mode, model, Path(tmp) / "runs", args, median))
+    table = summarize(runs, args)
     (out / "async_vs_sync.json").write_text(json.dumps(table, indent=2))
     plot(table, out / "async_vs_sync.png")
-    print(json.dumps(table, indent=2))
+    print(json.dumps({k: v for k, v in table.items() if not isinstance(v, dict)}, indent=2))
+
+
+def summarize(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict:
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in KEYS} for name, rs in runs.items()}
+    lat = {m: med[f"{m}@0.3"] for m in MODES}
+    sync = lat["sync"]
+    return {
+        "modes": lat,
+        "zero_latency": {m: med[f"{m}@0.0"] for m in ("sync", "async")},
+        "speedup_async_vs_sync": lat["async"]["trained_samples_per_s"] / sync["trained_samples_per_s"],
+        "speedup_one_step_vs_sync": lat["one_step"]["trained_samples_per_s"] / sync["trained_samples_per_s"],
+        "speedup_zero_latency": med["async@0.0"]["trained_samples_per_s"] / med["sync@0.0"]["trained_samples_per_s"],
+        "sync_success_gain": sync["success_after_rl"] - sync["success_before_rl"],
+        "async_success_minus_sync": lat["async"]["success_after_rl"] - sync["success_after_rl"],
+        "max_staleness_seen": max(m["max_staleness_seen"] for m in med.values()),
+        "stale_steps": {"sync": 0, "one_step": 1, "async": args.stale_steps},
+        "staleness_within_bound": all(
+            med[f"{m}@0.3"]["max_staleness_seen"] <= {"sync": 0, "one_step": 1, "async": args.stale_steps}[m]
+            for m in MODES
+        ),
+        "targets": {
+            "speedup_async_vs_sync": 2.0,
+            "speedup_zero_latency": 1.3,
+            "sync_success_gain": 0.10,
+            "async_within_sync": 0.05,
+        },  # fmt: skip
+        "config": {
+            k: getattr(args, k)
+            for k in ("quick", "steps", "repeats", "batch_groups", "group_size", "stale_steps", "eval_episodes")
+        },  # fmt: skip
+        "latency": {"median_s": 0.3, "sigma": 1.0, "cap_s": 8.0, "on": "every env step (tool call or answer check)"},
+        "statistic": "median over repeats",
+    }
 
 
 def plot(table: dict, path: Path) -> None:
@@ -74,16 +159,19 @@ def plot(table: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    modes = ["sync", "async"]
-    axes[0].bar(modes, [table[m]["trajectories_per_s"] for m in modes], color=["#888", "#2a7"])
-    axes[0].set_title(f"trained trajectories / s (x{table['speedup_async_over_sync']:.2f})")
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    modes = list(MODES)
+    axes[0].bar(modes, [table["modes"][m]["trained_samples_per_s"] for m in modes], color=["#888", "#58a", "#2a7"])
+    axes[0].set_title(f"trained samples/s, tool latency (async x{table['speedup_async_vs_sync']:.2f})")
+    zl = table["zero_latency"]
+    axes[1].bar(["sync", "async"], [zl[m]["trained_samples_per_s"] for m in ("sync", "async")], color=["#888", "#2a7"])
+    axes[1].set_title(f"trained samples/s, no latency (x{table['speedup_zero_latency']:.2f})")
     keys = ["engine_busy_fraction", "trainer_busy_fraction", "overlap_fraction"]
     for i, m in enumerate(modes):
-        axes[1].bar([j + 0.4 * i for j in range(3)], [table[m][k] for k in keys], width=0.4, label=m)
-    axes[1].set_xticks([j + 0.2 for j in range(3)], ["engine busy", "trainer busy", "overlap"])
-    axes[1].set_title("share of RL wall time")
-    axes[1].legend()
+        axes[2].bar([j + 0.27 * i for j in range(3)], [table["modes"][m][k] for k in keys], width=0.27, label=m)
+    axes[2].set_xticks([j + 0.27 for j in range(3)], ["engine busy", "trainer busy", "overlap"])
+    axes[2].set_title("share of RL wall time (with latency)")
+    axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
