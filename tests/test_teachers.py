@@ -164,3 +164,27 @@ def test_spec_needs_exactly_one_location():
         TeacherSpec("t")
     with pytest.raises(TeacherError, match="exactly one of path"):
         TeacherSpec("t", path="a", url="http://x")
+
+
+@pytest.mark.slow
+def test_server_teacher_scores_like_the_embedded_one(family):
+    """A teacher behind the SGLang protocol (our server, the same client as for SGLang) through the job's factory."""
+    from agentflow.config import load_config
+    from agentflow.distill import make_scorer_factory
+    from agentflow.engine.launch import start_servers, stop_servers
+
+    procs, urls = start_servers(family[1], 1, "k", max_slots=1, max_len=128)
+    try:
+        specs = [TeacherSpec("srv", url=urls[0], tokenizer=str(family[1])), TeacherSpec("local", path=str(family[1]))]
+        check_teacher(specs[0], family[0])
+        router = Router(specs, parse_routes({"a": "srv", "b": "local"}))
+        manager = TeacherManager(specs, router, make_scorer_factory(load_config(None)), 1, top_k=3)
+        ids = _ids(25, 3)
+        try:
+            remote, local = manager.score([ScoreRequest("r", ids, ["a"]), ScoreRequest("l", ids, ["b"])])
+        finally:
+            manager.close()
+    finally:
+        stop_servers(procs)
+    assert remote.logprobs == pytest.approx(local.logprobs, abs=1e-5)
+    assert remote.top_ids == local.top_ids
