@@ -66,6 +66,7 @@ def _wait(what: str, pred, proc: subprocess.Popen, log: Path, timeout: float = 2
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_killed_env_worker_and_engine_are_restarted_and_their_episodes_retried(tmp_path):
     require(_have_ray(), "ray")
     model = init_model(tmp_path / "model", TINY)

@@ -122,6 +122,7 @@ def _kill_trainer(run_dir: Path, proc: subprocess.Popen, log: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_sigkill_trainer_three_times_then_resume_loses_nothing(tmp_path):
     seed = int(os.environ.get("AGENTFLOW_TEST_SEED", time.time_ns() % 10_000))
     rng = random.Random(seed)
