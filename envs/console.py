@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import warnings
 from typing import Any, TextIO
 
@@ -64,6 +66,8 @@ def line_to_action(line: str) -> str | None:
 
 
 def _show(out: TextIO, label: str, value: Any) -> None:
+    if isinstance(value, dict) and value.get("images"):
+        value = {**value, "images": f"[{len(value['images'])} PNG screenshot(s)]"}
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True, default=str)
     print(f"{label}: {text}", file=out)
 
@@ -93,10 +97,26 @@ def play(
         for t in env.tools:
             _show(out, "tool", t.to_openai()["function"])
         _show(out, "observation", obs)
+        _save_images(info, out, 0)
         _show(out, "info", info)
         return _loop(env, inp, out)
     finally:
         env.close()
+
+
+def _save_images(info: dict[str, Any], out: TextIO, turn: int) -> None:
+    """Browser and desktop envs return PNG screenshots in the info: write them to files and print their paths."""
+    global _play_dir
+    for i, png in enumerate(info.get("images") or []):
+        if _play_dir is None:
+            _play_dir = tempfile.mkdtemp(prefix="agentflow-play-")
+        path = os.path.join(_play_dir, f"turn{turn:02d}-{i}.png")
+        with open(path, "wb") as f:
+            f.write(png)
+        print(f"screenshot: {path}", file=out)
+
+
+_play_dir: str | None = None
 
 
 def _loop(env: AgentEnv, inp: TextIO, out: TextIO) -> dict[str, Any]:
@@ -113,6 +133,7 @@ def _loop(env: AgentEnv, inp: TextIO, out: TextIO) -> dict[str, Any]:
             continue
         obs, reward, terminated, truncated, info = env.step(action)
         _show(out, "observation", obs)
+        _save_images(info, out, env.turn)
         print(f"reward: {reward:g}  terminated: {terminated}  truncated: {truncated}", file=out)
         _show(out, "info", info)
         if terminated or truncated:
