@@ -64,14 +64,14 @@ async def rl_loop(
                 await asyncio.to_thread(annotate, batch, samples)
             trainer_busy.enter()
             metrics = await asyncio.to_thread(trainer.train_step, samples, cfg.trainer.loss)  # rollouts go on
-            version, sync = await sync_weights(trainer, transport)  # TransferMesh: trainer -> engines
+            version, report = await sync_weights(trainer, transport)  # TransferMesh: trainer -> engines
             trainer_busy.exit()
             await store.set_trainer_version(version)
             if sync:
                 await store.set_gate(True)
             result.trained_ids += [t.id for g in batch for t in g.trajectories]
-            result.sync_s.append(sync["total_s"])
-            log.step(step + 1, train=metrics, rollout=batch_metrics(batch), store=store.metrics(), sync=sync)
+            result.sync_s.append(report["total_s"])
+            log.step(step + 1, train=metrics, rollout=batch_metrics(batch), store=store.metrics(), sync=report)
             result.steps = step + 1
             if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
                 await save_checkpoint(trainer, log, result, store)

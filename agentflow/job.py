@@ -263,6 +263,7 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, resume: bool
         "staleness_histogram": store.histogram(),
         "stale_steps": stale,
         "dropped_stale_groups": sm["dropped_stale_groups"],
+        "gate_closures": sm["gate_closures"],
         "overlap_fraction": overlap_seconds(engine_spans, trainer_spans) / max(result.wall_s, 1e-9),
         "engine_busy_fraction": sum(b - a for a, b in engine_spans) / max(result.wall_s, 1e-9),
         "trainer_busy_fraction": sum(b - a for a, b in trainer_spans) / max(result.wall_s, 1e-9),

@@ -75,6 +75,7 @@ class TrajectoryStore:
         self._cond = asyncio.Condition()
         self.staleness_hist: Counter[int] = Counter()
         self.dropped_stale = 0
+        self.gate_closures = 0  # times dispatch was stopped for a batch (sync mode only; async never closes it)
         self.failed_groups = 0
         self.accepted = 0
 
@@ -160,6 +161,7 @@ class TrajectoryStore:
                         self.staleness_hist[self.trainer_version - t.min_version()] += 1
             if close_gate:
                 self._gate_open = False
+                self.gate_closures += 1
             self._cond.notify_all()
             return batch
 
@@ -193,6 +195,7 @@ class TrajectoryStore:
             "mean_staleness": mean,
             "max_staleness_seen": max(self.staleness_hist, default=0),
             "dropped_stale_groups": self.dropped_stale,
+            "gate_closures": self.gate_closures,
             "failed_groups": self.failed_groups,
             "in_flight_groups": len(self._in_flight),
             "ready_groups": len(self._ready),

@@ -181,8 +181,10 @@ def test_job_staleness_bound_and_outputs(tiny_model, tmp_path, mode):
     if mode == "async":
         assert summary["mean_staleness"] > 0
         assert max(hist) <= cfg.store.stale_steps and summary["dropped_stale_groups"] == 0
+        assert summary["gate_closures"] == 0  # dispatch never waits for training in async mode
     else:
         assert set(hist) == {0} and summary["stale_steps"] == 0
+        assert summary["gate_closures"] == summary["rl_steps"]
     for key in (
         "scripted_policy_success",
         "success_before_rl",
