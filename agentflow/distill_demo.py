@@ -84,9 +84,9 @@ def teacher_init() -> Path:
 def train_teachers() -> tuple[Path, Path]:
     """Teacher ``calc``: SFT on the correct Calc expert; teacher ``qa``: SFT on the single-hop retrieval expert."""
     init = teacher_init()
-    calc = _sft(init, "calc", "agentflow.distill_experts:calc_expert", {"episodes": 1000, "max_epochs": 3,
+    calc = _sft(init, "calc", "agentflow.distill_experts:calc_expert", {"episodes": 600, "max_epochs": 3,
                                                                          "lr": 1e-3, "batch_size": 32})  # fmt: skip
-    qa = _sft(init, "qa", "agentflow.distill_experts:qa_expert", {"episodes": 800, "max_epochs": 4, "lr": 2e-3,
+    qa = _sft(init, "qa", "agentflow.distill_experts:qa_expert", {"episodes": 600, "max_epochs": 4, "lr": 2e-3,
                                                                    "batch_size": 32})  # fmt: skip
     return calc, qa
 
