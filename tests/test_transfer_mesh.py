@@ -156,3 +156,58 @@ def test_gloo_framing_detects_missing_and_foreign_buckets_and_stays_in_step() ->
     th.join()
     assert all(torch.equal(out[k], v) for k, v in src.items())
     receiver.close()
+
+
+@pytest.mark.parametrize("algo", ["xxh3", "crc32", "sha256"])
+def test_fused_pack_digest_equals_one_shot_digest_over_any_layout(algo: str, monkeypatch) -> None:
+    import transfer_mesh.checksum as ck
+    import transfer_mesh.plan as pl
+
+    monkeypatch.setattr(pl, "chunks", lambda a, b, step=256: ck.chunks(a, b, step))  # many chunks per tensor
+    src = _named()
+    src["t.weight"] = torch.randn(40, 24).t()  # strided: the converting-copy path
+    src["e.bias"] = torch.zeros(0)
+    plan = TransferPlan.for_tensors(src, bucket_bytes=4096, checksum=algo)
+    bufs, digests = _pack(plan, src)
+    for i, b in bufs.items():
+        assert digests[i] == ck.digest(b, algo)  # the chunked hash is the one-shot hash of the bucket
+        plan.verify_bucket(0, i, b, digests[i], check_finite=True)
+    out = plan.decode_version(0, bufs, digests, check_finite=True)
+    assert all(torch.equal(out[k], v) for k, v in src.items())
+
+
+def test_verify_refuses_non_finite_values_after_the_checksum() -> None:
+    src = _named()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        poisoned = {**src, "b.bias": src["b.bias"].clone().index_fill_(0, torch.tensor([3]), bad)}
+        plan = TransferPlan.for_tensors(poisoned, bucket_bytes=4096)
+        bufs, digests = _pack(plan, poisoned)
+        plan.decode_version(1, bufs, digests)  # without the scan the bytes are intact
+        with pytest.raises(IntegrityError, match="b.bias contains NaN or inf"):
+            plan.decode_version(1, bufs, digests, check_finite=True)
+    big = {"h": torch.full((8,), 3e38)}  # the sum overflows to inf though every value is finite
+    plan = TransferPlan.for_tensors(big)
+    bufs, digests = _pack(plan, big)
+    assert torch.equal(plan.decode_version(1, bufs, digests, check_finite=True)["h"], big["h"])
+    bufs[0][1] ^= 0xFF  # corruption that makes a NaN is reported as what it is
+    with pytest.raises(IntegrityError, match="checksum mismatch in bucket 0"):
+        plan.decode_version(1, bufs, digests, check_finite=True)
+
+
+def test_inprocess_refuses_nan_and_engines_keep_their_version(tiny) -> None:
+    from agentflow.engine.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(tiny, max_slots=1, max_len=32)
+    try:
+        tm = make_transport({"type": "inprocess"}, [engine])
+        named = {k: v + 0.5 for k, v in engine.model.params.items()}
+        tm.send(1, named)
+        before = {k: v.clone() for k, v in engine.model.params.items()}
+        named["model.norm.weight"][0] = float("nan")
+        with pytest.raises(VersionRefused, match="model.norm.weight contains NaN or inf"):
+            tm.send(2, named)
+        assert engine.weight_version == 1
+        assert all(torch.equal(engine.model.params[k], v) for k, v in before.items())
+        tm.close()
+    finally:
+        engine.close()

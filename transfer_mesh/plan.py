@@ -16,15 +16,16 @@ through the model-family layouts.
 from __future__ import annotations
 
 import hashlib
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from transfer_mesh.buckets import IntegrityError
+from transfer_mesh.checksum import CHECKSUMS, Hasher, chunks, default_checksum, digest, finite
 from transfer_mesh.layouts import ModelSpec, hf_shapes, megatron_to_hf, merge_from_tp
 
 DTYPES: dict[str, torch.dtype] = {
@@ -36,35 +37,11 @@ DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
     "uint8": torch.uint8,
 }
-CHECKSUMS = ("xxh3", "crc32", "sha256")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"`` (SGLang's wire spelling)."""
     return str(dtype).removeprefix("torch.")
-
-
-def default_checksum() -> str:
-    """``xxh3`` (fast, needs the ``xxhash`` package) when importable, else ``crc32`` (stdlib)."""
-    try:
-        import xxhash  # noqa: F401
-    except ImportError:
-        return "crc32"
-    return "xxh3"
-
-
-def digest(buf: Tensor, algo: str) -> str:
-    """Hex checksum of a contiguous CPU ``uint8`` buffer (no copy)."""
-    view = buf.numpy()
-    if algo == "xxh3":
-        import xxhash
-
-        return xxhash.xxh3_64_hexdigest(view)
-    if algo == "crc32":
-        return f"{zlib.crc32(view):08x}"
-    if algo == "sha256":
-        return hashlib.sha256(view).hexdigest()
-    raise ValueError(f"unknown checksum {algo!r}; one of {CHECKSUMS}")
 
 
 @dataclass(frozen=True)
@@ -156,7 +133,7 @@ class TransferPlan:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def bucket_slots(self, index: int) -> list[TensorSlot]:
-        return [s for s in self.slots if s.bucket == index]
+        return list(self._by_bucket[index])
 
     def new_buffers(self) -> list[Tensor]:
         """One empty ``uint8`` buffer per bucket (reuse them across versions: fresh pages cost as much as a copy)."""
@@ -205,39 +182,107 @@ class TransferPlan:
                 )
 
     def pack_bucket(self, index: int, named: Mapping[str, Tensor], out: Tensor) -> str:
-        """Copy bucket ``index``'s tensors into ``out`` (a plan-sized ``uint8`` buffer); return its checksum."""
-        for s in self.bucket_slots(index):
-            dst = out[s.offset : s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape)
-            dst.copy_(named[s.name].detach())
-        if self.bucket_sizes[index] > 0:
-            end = max((s.offset + s.nbytes for s in self.bucket_slots(index)), default=0)
-            out[end:].zero_()  # alignment padding: deterministic bytes under the checksum
-        return digest(out, self.checksum)
+        """Copy bucket ``index``'s tensors into ``out`` (a plan-sized ``uint8`` buffer); return its checksum.
 
-    def decode_version(
-        self, version: int, buffers: Mapping[int, Tensor], digests: Mapping[int, str]
-    ) -> dict[str, Tensor]:
-        """Verify that every bucket arrived with its size and checksum, then return views of the buffers by name.
-
-        Raises IntegrityError naming the first problem (missing or unexpected bucket, size, checksum); the views
-        share storage with ``buffers`` only (the receiver's own staging memory), never with the sender.
+        One pass over memory: each cache-sized chunk is hashed right after it was copied in. Alignment padding is
+        zeroed so the checksum covers deterministic bytes.
         """
+        hasher = Hasher(self.checksum)
+        pos = 0
+        for s in self._by_bucket[index]:
+            _zero_hashed(out[pos : s.offset], hasher)
+            _copy_hashed(named[s.name].detach(), out[s.offset : s.offset + s.nbytes], s, hasher)
+            pos = s.offset + s.nbytes
+        _zero_hashed(out[pos : self.bucket_sizes[index]], hasher)
+        return hasher.hexdigest()
+
+    def verify_bucket(
+        self, version: int, index: int, buf: Tensor, expected: str | None, check_finite: bool = False
+    ) -> None:
+        """Raise IntegrityError unless ``buf`` is bucket ``index`` with its size and checksum ``expected``.
+
+        With ``check_finite`` the same pass (chunk by chunk, while in cache) also refuses NaN or inf in any
+        floating-point tensor; a checksum mismatch is reported first (corruption can look like NaN).
+        """
+        if buf.dtype != torch.uint8 or buf.numel() != self.bucket_sizes[index]:
+            raise IntegrityError(
+                f"version {version}: bucket {index} has {buf.numel()} bytes, expected {self.bucket_sizes[index]}"
+            )
+        if not check_finite:  # one call over the whole bucket: the fastest way to hash cold bytes
+            if digest(buf, self.checksum) != expected:
+                raise IntegrityError(f"version {version}: checksum mismatch in bucket {index}")
+            return
+        hasher, bad, pos = Hasher(self.checksum), None, 0
+        for s in self._by_bucket[index]:
+            hasher.update(buf[pos : s.offset])
+            dtype = DTYPES[s.dtype]
+            for a, b in chunks(s.offset, s.offset + s.nbytes):
+                hasher.update(buf[a:b])
+                if bad is None and dtype.is_floating_point and not finite(buf[a:b].view(dtype)):
+                    bad = s.name
+            pos = s.offset + s.nbytes
+        hasher.update(buf[pos:])
+        if hasher.hexdigest() != expected:
+            raise IntegrityError(f"version {version}: checksum mismatch in bucket {index}")
+        if bad is not None:
+            raise IntegrityError(f"version {version}: {bad} contains NaN or inf")
+
+    def check_complete(self, version: int, buffers: Mapping[int, Tensor]) -> None:
+        """Raise IntegrityError unless exactly buckets ``0..n-1`` are present."""
         got = sorted(buffers)
         if got != list(range(self.num_buckets)):
             missing = sorted(set(range(self.num_buckets)) - set(got))
             raise IntegrityError(f"version {version}: missing buckets {missing} (got {got} of {self.num_buckets})")
-        for i in got:
-            buf = buffers[i]
-            if buf.dtype != torch.uint8 or buf.numel() != self.bucket_sizes[i]:
-                raise IntegrityError(
-                    f"version {version}: bucket {i} has {buf.numel()} bytes, expected {self.bucket_sizes[i]}"
-                )
-            if digest(buf, self.checksum) != digests.get(i):
-                raise IntegrityError(f"version {version}: checksum mismatch in bucket {i}")
-        out: dict[str, Tensor] = {}
-        for s in self.slots:
-            out[s.name] = buffers[s.bucket][s.offset : s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape)
-        return out
+
+    def views(self, buffers: Mapping[int, Tensor]) -> dict[str, Tensor]:
+        """Every tensor by name as a typed, shaped view of its bucket (no copy)."""
+        return {
+            s.name: buffers[s.bucket][s.offset : s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape)
+            for s in self.slots
+        }
+
+    def decode_version(
+        self,
+        version: int,
+        buffers: Mapping[int, Tensor],
+        digests: Mapping[int, str],
+        check_finite: bool = False,
+    ) -> dict[str, Tensor]:
+        """Verify that every bucket arrived with its size and checksum, then return views of the buffers by name.
+
+        Raises IntegrityError naming the first problem (missing or unexpected bucket, size, checksum, and with
+        ``check_finite`` NaN or inf); the views share storage with ``buffers`` only (the receiver's own staging
+        memory), never with the sender.
+        """
+        self.check_complete(version, buffers)
+        for i in range(self.num_buckets):
+            self.verify_bucket(version, i, buffers[i], digests.get(i), check_finite)
+        return self.views(buffers)
+
+    @cached_property
+    def _by_bucket(self) -> tuple[tuple[TensorSlot, ...], ...]:
+        """Slots of each bucket in byte order (computed once: a plan serves every version)."""
+        return tuple(tuple(s for s in self.slots if s.bucket == i) for i in range(self.num_buckets))
+
+
+def _zero_hashed(region: Tensor, hasher: Hasher) -> None:
+    if region.numel():
+        region.zero_()
+        hasher.update(region)
+
+
+def _copy_hashed(src: Tensor, dst: Tensor, slot: TensorSlot, hasher: Hasher) -> None:
+    """Copy ``src`` into the bucket bytes ``dst``, hashing each chunk while it is still in cache."""
+    if src.device.type == "cpu" and src.is_contiguous() and dtype_name(src.dtype) == slot.dtype:
+        raw = src.reshape(-1).view(torch.uint8)
+        for a, b in chunks(0, slot.nbytes):
+            dst[a:b].copy_(raw[a:b])
+            hasher.update(dst[a:b])
+        return
+    # another device, a strided layout or another dtype: one converting copy, then the hash over the result
+    dst.view(DTYPES[slot.dtype]).view(slot.shape).copy_(src)
+    for a, b in chunks(0, slot.nbytes):
+        hasher.update(dst[a:b])
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -1,13 +1,21 @@
 """In-process transport: engines in the trainer's process receive a verified copy of each version.
 
-Each bucket is packed into the transport's own staging buffer (reused across versions), checksummed, and verified
-by the receiving side; only when every bucket checked out is the version handed to each engine, which copies it
-into its own tensors (the embedded engine does so between decode steps). No storage is shared with the trainer
-(staging is a copy) or between the transport and the engines (they copy out of staging).
+Three passes over memory per version, each a single read or copy of every byte:
+
+1. pack: each tensor is copied into the transport's own staging buckets (allocated once, reused across versions)
+   and every cache-sized chunk is hashed right after it was copied, while it is still in cache;
+2. verify: the receiving side re-hashes every bucket and, in the same chunked pass, refuses NaN/inf; only when
+   every bucket checked out is the version handed on (all or nothing);
+3. apply: each engine copies the typed bucket views straight into its own parameters (between decode steps).
+   Engines whose ``update_weights`` takes ``finite_checked`` skip their own NaN/inf scan (pass 2 did it).
+
+No storage is shared with the trainer (staging is a copy) or between the transport and the engines (they copy
+out of staging).
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -43,7 +51,7 @@ class InProcessTransport(WeightTransport):
             wire[i] = self._wire(i, buf)
         t1 = time.perf_counter()
         try:  # the receiving side's checks, on the whole version before any engine sees it
-            tensors = plan.decode_version(version, wire, digests)
+            tensors = plan.decode_version(version, wire, digests, check_finite=True)
         except IntegrityError as exc:
             raise VersionRefused(f"version {version} refused: {exc}") from exc
         t2 = time.perf_counter()
@@ -58,12 +66,13 @@ class InProcessTransport(WeightTransport):
         return report
 
     def _deliver(self, k: int, engine: Any, version: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
+        extra = {"finite_checked": True} if _takes_finite_checked(engine) else {}
         try:
             timing = choreograph(
                 engine,
                 self.cfg.pause_mode,
                 self.cfg.flush_cache,
-                lambda: engine.update_weights(version, dict(tensors)),
+                lambda: engine.update_weights(version, dict(tensors), **extra),
             )
         except (ValueError, IntegrityError) as exc:
             raise VersionRefused(f"engine {k} refused version {version}: {exc}") from exc
@@ -72,6 +81,14 @@ class InProcessTransport(WeightTransport):
     def close(self) -> None:
         self._buffers = None
         super().close()
+
+
+def _takes_finite_checked(engine: Any) -> bool:
+    """Whether ``engine.update_weights`` accepts ``finite_checked`` (others get the plain two-argument call)."""
+    try:
+        return "finite_checked" in inspect.signature(engine.update_weights).parameters
+    except (TypeError, ValueError):  # builtins and some proxies have no signature
+        return False
 
 
 CONFIG = InProcessConfig

@@ -226,15 +226,17 @@ class EmbeddedEngine:
             raise ValueError(f"top_k must be >= 0, got {top_k}")
         return self._run_op(lambda: self._do_score(ids, start, top_k))
 
-    def update_weights(self, version: int, named_tensors: dict[str, Any]) -> None:
+    def update_weights(self, version: int, named_tensors: dict[str, Any], finite_checked: bool = False) -> None:
         """Validate a whole version (HF names -> tensors), then copy it in between decode steps.
 
         Raises ValueError naming the problem (unknown or missing name, wrong shape, non-float or non-finite
-        values) and keeps the old weights and version.
+        values) and keeps the old weights and version. ``finite_checked``: the caller (TransferMesh's receiving
+        side, which scans for NaN/inf in the same pass as its checksum) already refused non-finite values in
+        these tensors, so the engine skips its own scan of every byte.
         """
         if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"version must be an int, got {version!r}")
-        problem = validate_weights(self.model.config, named_tensors)
+        problem = validate_weights(self.model.config, named_tensors, check_finite=not finite_checked)
         if problem:
             raise ValueError(f"rejected weights for version {version}: {problem}")
         self._run_op(lambda: self._do_update(version, named_tensors))
