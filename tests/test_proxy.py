@@ -18,6 +18,7 @@ from agentflow.engine.embedded import EmbeddedEngine
 from agentflow.proxy import SEGMENT_HEADER, ProxyServer
 from agentflow.types import SamplingParams
 
+pytestmark = pytest.mark.timeout(900)  # the tool model is trained on first use
 MODEL = "agentflow-policy"
 TOOLS = [
     {

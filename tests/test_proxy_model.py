@@ -14,6 +14,7 @@ import torch
 from agentflow.chat import IM_END, ChatTokenizer, parse_reply, render_conversation
 from agentflow.model_init import ModelInitConfig, init_model
 
+pytestmark = pytest.mark.timeout(900)  # the tool model is trained on first use
 TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
 CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "2 + 3"}}\n</tool_call>' + IM_END
 ANSWER = "5" + IM_END
