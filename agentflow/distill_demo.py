@@ -29,7 +29,7 @@ ENVS = {
     "calc": ("agentflow/Calc-v0", {}),
     "qa": ("agentflow/Retrieval-v0", {"task_set": "single_hop"}),
 }
-EVAL_EPISODES = 100
+EVAL_EPISODES = 50
 CONFIG = "configs/distill.yaml"
 
 
@@ -113,11 +113,11 @@ def run_jobs(overrides: list[str], which: list[str]) -> dict[str, Any]:
 
     out = {}
     if "distill" in which:
-        cfg = load_config(CONFIG, ["run.progress=false", *overrides])
+        cfg = load_config(CONFIG, ["run.progress=false", f"eval.episodes={EVAL_EPISODES}", *overrides])
         out["distill"] = run_distill(cfg)
     if "rl" in which:
         rl = ["teachers.models=[]", "trainer.drop_uniform_groups=true", f"run.dir={ROOT / 'rl'}"]
-        cfg = load_config(CONFIG, ["run.progress=false", *overrides, *rl])
+        cfg = load_config(CONFIG, ["run.progress=false", f"eval.episodes={EVAL_EPISODES}", *overrides, *rl])
         out["rl"] = run_rl_per_source(cfg)
     return out
 
