@@ -21,7 +21,7 @@ def test_yaml_plus_overrides(tmp_path):
     [
         ("store.batch_grups=3", "unknown config key 'store.batch_grups'. Did you mean 'store.batch_groups'?"),
         ("store.batch_groups=abc", "config key 'store.batch_groups': Input should be a valid integer"),
-        ("run.mode=fast", "config key 'run.mode': Input should be 'async' or 'sync'"),
+        ("run.mode=fast", "config key 'run.mode': Input should be 'async', 'one_step' or 'sync'"),
         ("rollout.top_p=0", "config key 'rollout.top_p'"),
         ("steps", "override 'steps' is not key=value"),
     ],
