@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +23,7 @@ from typing import Any
 
 import _path  # noqa: F401  (must come before the project's imports: see _path.py)
 import torch
+from _memory import PeakRSS
 
 from agentflow.engine.embedded import EmbeddedEngine
 from agentflow.model_init import ModelInitConfig, init_model
@@ -32,35 +31,6 @@ from agentflow.types import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NEW_TOKENS = 128
-
-
-class PeakRSS:
-    """Peak resident memory growth (bytes) while the block runs, sampled every 5 ms."""
-
-    def __enter__(self) -> PeakRSS:
-        self.base = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._rss())
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-
-    @property
-    def growth_mb(self) -> float:
-        return (self.peak - self.base) / 2**20
 
 
 def prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:

@@ -22,13 +22,10 @@ taking turns round by round so that the shared machine's load affects them alike
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,6 +33,7 @@ from typing import Any
 
 import _path  # noqa: F401  (must come before the project's imports: see _path.py)
 import torch
+from _memory import PeakRSS
 from safetensors.torch import save_file
 
 from agentflow.distill import EngineScorer
@@ -47,36 +45,6 @@ from teachers.types import ScoreRequest, TeacherSpec
 RESULTS = Path(__file__).resolve().parent / "results"
 N_TEACHERS = 4
 FIFO_ROUNDS = 3
-
-
-class PeakRSS:
-    """Peak resident memory growth (bytes) while the block runs, sampled every 5 ms."""
-
-    def __enter__(self) -> PeakRSS:
-        gc.collect()
-        self.base = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-        return self
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _watch(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._rss())
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-
-    @property
-    def growth(self) -> int:
-        return self.peak - self.base
 
 
 def make_teachers(root: Path, cfg: ModelInitConfig) -> list[Path]:
