@@ -211,3 +211,22 @@ def test_inprocess_refuses_nan_and_engines_keep_their_version(tiny) -> None:
         tm.close()
     finally:
         engine.close()
+
+
+def test_cuda_ipc_device_checksum_and_checks_run_on_any_device() -> None:
+    from transfer_mesh.transport_cuda_ipc import device_digest, verify_device_buckets
+
+    src = _named()
+    plan = TransferPlan.for_tensors(src, bucket_bytes=4096)
+    bufs, _ = _pack(plan, src)
+    digests = {i: device_digest(b) for i, b in bufs.items()}
+    out = verify_device_buckets(plan, 1, bufs, digests)
+    assert all(torch.equal(out[k], v) for k, v in src.items())
+    swapped = bufs[0].clone()
+    swapped[:8], swapped[8:16] = bufs[0][8:16].clone(), bufs[0][:8].clone()  # two words trade places
+    for bad in (swapped, bufs[0].clone().index_fill_(0, torch.tensor([5]), 0)):
+        assert device_digest(bad) != digests[0]
+        with pytest.raises(IntegrityError, match="checksum mismatch in bucket 0"):
+            verify_device_buckets(plan, 1, {**bufs, 0: bad}, digests)
+    with pytest.raises(IntegrityError, match=r"missing buckets \[1\]"):
+        verify_device_buckets(plan, 1, {i: b for i, b in bufs.items() if i != 1}, digests)
