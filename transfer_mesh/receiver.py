@@ -102,7 +102,7 @@ class WeightReceiverService:
             buffers[int(key.removeprefix(BUCKET_PREFIX))] = t.contiguous().view(-1)
         digests = {int(k): str(v) for k, v in dict(ext.get("digests") or {}).items()}
         version = expected_version(label)
-        return plan.decode_version(-1 if version is None else version, buffers, digests)
+        return plan.decode_version(-1 if version is None else version, buffers, digests, check_finite=True)
 
     def close(self) -> None:
         with self._lock:

@@ -124,11 +124,13 @@ class GlooReceiver:
     def receive_version(self, plan: TransferPlan, version: int | None) -> dict[str, Tensor]:
         """Receive buckets until the end header; raise IntegrityError naming the first problem (stream drained).
 
-        ``version`` is the one the request announced (None: take the stream's)."""
+        ``version`` is the one the request announced (None: take the stream's). Pipelined: each bucket is
+        verified (checksum and NaN/inf, one pass) while the next one is arriving (gloo receives on its own
+        thread, and the hash releases the GIL)."""
         buffers = self._buffers.setdefault(plan.fingerprint(), plan.new_buffers())
         got: dict[int, Tensor] = {}
-        digests: dict[int, str] = {}
         problems: list[str] = []
+        pending: tuple[int, Tensor, str] | None = None  # received, not yet verified
         h = torch.zeros(8, dtype=torch.int64)
         while True:
             broadcast(self.pg, h).wait()
@@ -137,17 +139,32 @@ class GlooReceiver:
                 break
             ok = 0 <= index < plan.num_buckets and nbytes == plan.bucket_sizes[index] and index not in got
             buf = buffers[index] if ok else torch.empty(nbytes, dtype=torch.uint8)
-            broadcast(self.pg, buf).wait()
+            work = broadcast(self.pg, buf)
+            pending = self._verify(plan, version, pending, problems)
+            work.wait()
             if not ok:
                 problems.append(f"version {version}: unexpected bucket {index} of {nbytes} bytes")
             elif version is not None and v != version:
                 problems.append(f"bucket {index} is version {v}, expected {version}")
             else:
-                got[index], digests[index] = buf, hexd
+                got[index], pending = buf, (index, buf, hexd)
                 version = v if version is None else version
+        self._verify(plan, version, pending, problems)
         if problems:
             raise IntegrityError(problems[0])
-        return plan.decode_version(-1 if version is None else version, got, digests)
+        plan.check_complete(-1 if version is None else version, got)
+        return plan.views(got)
+
+    @staticmethod
+    def _verify(plan: TransferPlan, version: int | None, pending: Any, problems: list[str]) -> None:
+        """Verify a received bucket unless a problem is already known (the stream is drained either way)."""
+        if pending is not None and not problems:
+            index, buf, hexd = pending
+            try:
+                plan.verify_bucket(-1 if version is None else version, index, buf, hexd, check_finite=True)
+            except IntegrityError as exc:
+                problems.append(str(exc))
+        return None
 
     def receive_named(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> dict:
         """SGLang's per-tensor protocol: one broadcast per name, in order (no checksums)."""

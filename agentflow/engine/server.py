@@ -463,10 +463,11 @@ class SGLangServer:
         return max([current, *self.labels]) + 1, label
 
     async def _apply(
-        self, label: Any, partial: dict[str, Any], pause_mode: Any = "none", flush: Any = None
+        self, label: Any, partial: dict[str, Any], pause_mode: Any = "none", flush: Any = None, checked: bool = False
     ) -> tuple[str, dict[str, float]]:
         """Apply ``partial`` (HF names -> tensors) on top of the current weights as one new version: pause
-        (``pause_mode``), update, flush or keep the prefix cache (``flush``; None: the engine's setting), resume."""
+        (``pause_mode``), update, flush or keep the prefix cache (``flush``; None: the engine's setting), resume.
+        ``checked``: TransferMesh's receiver already refused NaN/inf in ``partial`` (the engine skips its scan)."""
         if pause_mode not in ("none", "in_place", "retract", "abort"):
             raise ValueError(f"pause_mode must be none, in_place, retract or abort; got {pause_mode!r}")
         version, name = self._next_version(label)
@@ -475,7 +476,11 @@ class SGLangServer:
         keep = not bool(flush) if flush is not None else self.engine.keep_cache_on_update
         async with self._weights_lock:
             timing = await self._op(
-                choreograph, self.engine, pause_mode, not keep, lambda: self.engine.update_weights(version, merged)
+                choreograph,
+                self.engine,
+                pause_mode,
+                not keep,
+                lambda: self.engine.update_weights(version, merged, finite_checked=checked),
             )
             if name != str(version):
                 self.labels[version] = name
@@ -512,7 +517,8 @@ class SGLangServer:
             if ext is not None:  # checksummed buckets: verify the whole version before applying any of it
                 tensors = await self._op(self.receivers.decode_packed, ext, tensors, body.get("weight_version"))
             flush = body.get("flush_cache") if ext is not None else None
-            name, timing = await self._apply(body.get("weight_version"), tensors, body.get("pause_mode", "none"), flush)
+            pause = body.get("pause_mode", "none")
+            name, timing = await self._apply(body.get("weight_version"), tensors, pause, flush, ext is not None)
         except (ValueError, TypeError, OSError, RuntimeError) as exc:
             return web.json_response({"success": False, "message": f"Failed to update weights: {exc}"}, status=400)
         reply: dict[str, Any] = {"success": True, "message": f"Success Weight version updated to {name}."}
@@ -538,7 +544,8 @@ class SGLangServer:
             tensors = await self._op(self.receivers.receive, body)
             receive_s = time.perf_counter() - t0
             label, pause = body.get("weight_version"), body.get("pause_mode", "none")
-            name, timing = await self._apply(label, tensors, pause, body.get("flush_cache"))
+            checked = body.get("load_format") == "transfer_mesh"
+            name, timing = await self._apply(label, tensors, pause, body.get("flush_cache"), checked)
         except (ValueError, TypeError, RuntimeError) as exc:
             return web.json_response({"success": False, "message": f"Failed to update weights: {exc}"}, status=400)
         message = f"Succeeded to update parameter online. Weight version updated to {name}."
