@@ -71,8 +71,9 @@ class RolloutConfig(Section):
     """New tokens per model turn."""
     max_concurrency: int = Field(32, ge=1)
     """Episodes in flight at once (bounded further by the store's window)."""
-    episode_retries: int = Field(2, ge=0)
-    """Replays of an episode whose engine or env worker died under it (then it stays an ``error`` trajectory)."""
+    episode_retries: int = Field(4, ge=0)
+    """Replays of an episode whose engine or env worker died under it, 1, 2, 4, 8, 8... s apart so a restarting actor
+    can come back (after the last, it stays an ``error`` trajectory)."""
     partial: Literal["continue", "recycle"] = "continue"
     """Partial rollouts at a weight update: in-flight generations ``continue`` under the new version (each token
     stamped with its own), or are aborted and ``recycle``d (run again from the same input under the new one)."""

@@ -124,6 +124,8 @@ class Rollouts:
                 return traj
             self.retried[lost] += 1
             self.retried_ids.append(spec.traj_id)
+            # a restarting engine or worker refuses calls until it is back: replaying at once would burn the retries
+            await asyncio.sleep(min(2.0**attempt, 8.0))
         raise AssertionError("unreachable")
 
     async def _episode_once(self, spec: EpisodeSpec, sampling: SamplingParams) -> tuple[Trajectory, str | None]:

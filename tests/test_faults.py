@@ -15,6 +15,7 @@ import pytest
 from conftest import require
 
 from agentflow.model_init import ModelInitConfig, init_model
+from agentflow.store import Journal
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
@@ -96,4 +97,5 @@ def test_killed_env_worker_and_engine_are_restarted_and_their_episodes_retried(t
     assert len(faults["retried_ids"]) == sum(faults["retried_episodes"].values())
     assert summary["max_staleness_seen"] <= 1  # a restarted engine got the newest weights before serving again
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert sum(r.get("rollout/error_frac", 0) for r in rows) == 0  # every lost episode was replayed in full
+    errors = [(t.id, t.info) for t in Journal.read(run_dir / "journal.jsonl") if t.status == "error"]
+    assert sum(r.get("rollout/error_frac", 0) for r in rows) == 0, errors  # every lost episode was replayed in full

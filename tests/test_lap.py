@@ -258,6 +258,6 @@ def _flat(d: dict, prefix: str = "") -> dict:
     for k, v in d.items():
         if isinstance(v, dict) and k != "kwargs":
             out |= _flat(v, f"{prefix}{k}.")
-        elif not isinstance(v, dict | list):
+        elif v is not None and not isinstance(v, dict | list):  # None: the default, not writable as an override
             out[f"{prefix}{k}"] = v
     return out

@@ -22,7 +22,7 @@ from agentflow.types import Segment, Trajectory
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
-STEPS, B, G = 8, 2, 2
+STEPS, B, G = 30, 2, 2  # enough steps that every kill lands before the run ends, even on a fast machine
 
 
 def _traj(gid: str, i: int) -> Trajectory:
@@ -141,6 +141,8 @@ def test_sigkill_trainer_three_times_then_resume_loses_nothing(tmp_path):
         # 2: in the middle of a checkpoint write (the write is held open by the trainer's fault-injection hook)
         newest = checkpoints(run_dir)[0][0] if checkpoints(run_dir) else 0
         name = f"step_{newest + rng.randint(1, 2):06d}"
+        for stale in (run_dir / "checkpoints").glob("*.tmp"):  # the first kill may have left one mid-write
+            stale.unlink()
         pause = {"AGENTFLOW_FAULT_CHECKPOINT_PAUSE": f"{name}.pt:60"}
         procs.append(p := _start(run_dir, model, tmp_path / "log2.txt", resume=True, env_extra=pause))
         tmp = run_dir / "checkpoints" / f"{name}.tmp"
