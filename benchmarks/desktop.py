@@ -6,8 +6,8 @@ Writes ``benchmarks/results/desktop.json`` and ``.png``:
   every task type; ``reset_latency_ms`` likewise (a browser reset leases a context and loads the start page; a
   desktop reset starts the task's Tk app).
 - ``browser_throughput``: expert episodes per second with 1 episode at a time, and with 4 concurrent episodes
-  (4 envs, one shared Chromium with 4 contexts, awaited on one event loop); ``speedup_4_vs_1`` (target >= 1.8 on
-  2 cores). Every episode must succeed, or the run fails.
+  (4 envs, one shared Chromium with 4 contexts, awaited on one event loop, each env taking the next episode from a
+  shared queue); ``speedup_4_vs_1`` (target >= 1.8 on 2 cores). Every episode must succeed, or the run fails.
 
     .venv/bin/python benchmarks/desktop.py            # full
     .venv/bin/python benchmarks/desktop.py --quick    # CI: < 60 s
@@ -56,24 +56,28 @@ async def expert_episode(env: Any, expert: Any, seed: int, task_type: str, steps
             return reward
 
 
-async def run_episodes(envs_: list[Any], expert: Any, types: tuple[str, ...], per_env: int) -> dict[str, Any]:
-    """``per_env`` episodes on each env, the envs concurrently; wall time, step and reset latencies."""
+async def run_episodes(envs_: list[Any], expert: Any, types: tuple[str, ...], episodes: int) -> dict[str, Any]:
+    """``episodes`` expert episodes, at most ``len(envs_)`` at a time: each env takes the next episode from a shared
+    queue as soon as it is free (as an RL job keeps its episode slots full), so the run ends with one short tail
+    instead of waiting for the env that drew the longest sequence; wall time, step and reset latencies."""
     steps: list[float] = []
     resets: list[float] = []
+    queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+    for k in range(episodes):
+        queue.put_nowait((1000 + k, types[k % len(types)]))
 
-    async def worker(i: int, env: Any) -> None:
-        for k in range(per_env):
-            seed = 1000 * i + k
-            await expert_episode(env, expert, seed, types[(i + k) % len(types)], steps, resets)
+    async def worker(env: Any) -> None:
+        while not queue.empty():
+            seed, task_type = queue.get_nowait()
+            await expert_episode(env, expert, seed, task_type, steps, resets)
 
     t = time.perf_counter()
-    await asyncio.gather(*(worker(i, e) for i, e in enumerate(envs_)))
+    await asyncio.gather(*(worker(e) for e in envs_))
     wall = time.perf_counter() - t
-    n = per_env * len(envs_)
     return {
-        "episodes": n,
+        "episodes": episodes,
         "wall_s": round(wall, 2),
-        "episodes_per_s": round(n / wall, 3),
+        "episodes_per_s": round(episodes / wall, 3),
         "steps": steps,
         "resets": resets,
     }
@@ -87,9 +91,9 @@ def bench_browser(quick: bool) -> dict[str, Any]:
     pool = BrowserPool()
     envs_ = [BrowserEnv(pool=pool) for _ in range(4)]
     try:
-        asyncio.run(run_episodes(envs_[:1], expert_action, TASK_TYPES, 1))  # warm-up: launch, first contexts
-        one = asyncio.run(run_episodes(envs_[:1], expert_action, TASK_TYPES, 4 if quick else 12))
-        four = asyncio.run(run_episodes(envs_, expert_action, TASK_TYPES, 2 if quick else 6))
+        asyncio.run(run_episodes(envs_, expert_action, TASK_TYPES, 4))  # warm-up: launch, every env's context
+        one = asyncio.run(run_episodes(envs_[:1], expert_action, TASK_TYPES, 8 if quick else 24))
+        four = asyncio.run(run_episodes(envs_, expert_action, TASK_TYPES, 16 if quick else 48))
     finally:
         for e in envs_:
             e.close()

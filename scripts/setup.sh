@@ -12,8 +12,9 @@ DEV=0
 APT_PACKAGES=(bubblewrap)
 # --dev: the docker sandbox's tests start a private engine (dockerd, containerd, runc) from Debian's docker.io.
 ((DEV)) && APT_PACKAGES+=(docker.io)
-# --dev: browser and desktop env tests drive the system Chromium (Playwright) and Tk apps on Xvfb.
-((DEV)) && APT_PACKAGES+=(chromium xvfb)
+# --dev: browser and desktop env tests drive the system Chromium (Playwright; its headless shell when installed)
+# and Tk apps on Xvfb.
+((DEV)) && APT_PACKAGES+=(chromium chromium-headless-shell xvfb)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -9,6 +9,7 @@ is aborted and reported). A browser that dies mid-episode raises :class:`~envs.e
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -22,6 +23,8 @@ from envs.screen import ScreenEnv
 from envs.tasks import DEFAULT_TASK_SET, lookup_task_set, simple_task_set
 
 ACTION_TIMEOUT_MS = 5000
+_SNAPSHOT_REF = re.compile(r"\[ref=(?:f(\d+))?e(\d+)\]")
+_ACTION_REF = re.compile(r"(?:f(\d+))?e(\d+)")
 SYSTEM_PROMPT = (
     "You operate a web browser to complete a task on a local website. Each observation shows the page's path, "
     "title and accessibility tree; elements carry refs like [ref=e5]. Act with the tools (refs change when the "
@@ -80,7 +83,7 @@ class BrowserEnv(ScreenEnv):
         self.last_observation = ""
         self._lease: Lease | None = None
         self._page: Any = None
-        self._page_crashed = False
+        self._frame_base: int | None = None  # see _episode_refs
         self._checks: dict[str, bool] = {}
         self._closed = False
 
@@ -104,10 +107,10 @@ class BrowserEnv(ScreenEnv):
         self._lease = await self.pool.acquire(self.apps.origin)
         lease = self._lease
         try:
-            self._page = await lease.context.new_page()
-            self._page_crashed = False
-            self._page.on("crash", lambda _page: setattr(self, "_page_crashed", True))
+            self._page = await lease.ensure_page()
+            self._frame_base = None
             await self._page.goto(self.apps.origin + self.task.start_path, timeout=ACTION_TIMEOUT_MS * 4)
+            await lease.forget_history()
         except Exception as e:  # noqa: BLE001 - a crash is re-raised as such; anything else is a broken backend
             self._raise_if_crashed(e)
             raise EnvError(f"could not open the start page: {e}") from e
@@ -146,9 +149,16 @@ class BrowserEnv(ScreenEnv):
 
     # -- tools -------------------------------------------------------------------------------------------------
     async def _element(self, ref: str) -> Any:
-        loc = self._page.locator(f"aria-ref={ref}")
-        if not ref or await loc.count() == 0:
-            raise ActionError(f"no element with ref {ref!r} on this page; refs change when the page changes")
+        missing = ActionError(f"no element with ref {ref!r} on this page; refs change when the page changes")
+        loc = self._page.locator(f"aria-ref={self._page_ref(ref)}")
+        try:
+            found = bool(ref) and await loc.count() > 0
+        except Exception as e:  # noqa: BLE001 - a ref of an earlier document names a frame that is gone
+            if "Invalid frame" in str(e):
+                raise missing from e
+            raise
+        if not found:
+            raise missing
         return loc
 
     async def _do_click(self, args: dict[str, Any]) -> None:
@@ -195,16 +205,37 @@ class BrowserEnv(ScreenEnv):
         refused = lease.take_blocked() if lease is not None else []
         if refused:
             lines.append("Refused (outside this site): " + ", ".join(refused))
-        text = "\n".join(lines) + "\n" + snapshot.replace(origin, "")
+        text = "\n".join(lines) + "\n" + self._episode_refs(snapshot).replace(origin, "")
         self.last_observation = text
         return text
+
+    # Playwright names refs after the page's frame sequence number (``f12e5``: element 5 of the page's 12th
+    # document), and the page is reused across episodes, so the same task would show different refs in each
+    # episode. Observations count documents from the episode's first one instead (``e5``, then ``f1e5`` after a
+    # navigation), and actions map them back: same refs for the same task, and a stale ref stays an error.
+    def _episode_refs(self, snapshot: str) -> str:
+        def relative(m: re.Match[str]) -> str:
+            seq = int(m.group(1) or 0)
+            if self._frame_base is None:
+                self._frame_base = seq
+            rel = seq - self._frame_base
+            return f"[ref={f'f{rel}' if rel else ''}e{m.group(2)}]" if rel >= 0 else m.group(0)
+
+        return _SNAPSHOT_REF.sub(relative, snapshot)
+
+    def _page_ref(self, ref: str) -> str:
+        m = _ACTION_REF.fullmatch(ref.strip())
+        if m is None or self._frame_base is None:
+            return ref
+        seq = int(m.group(1) or 0) + self._frame_base
+        return f"{f'f{seq}' if seq else ''}e{m.group(2)}"
 
     def _raise_if_crashed(self, cause: BaseException | None) -> None:
         lease = self._lease
         if lease is not None and not self.pool.browser_alive(lease.generation):
             reason = f"the browser (pid {self.pool.browser_pid}) died"
             raise EnvCrashedError(reason + (f": {_first_line(cause)}" if cause else "")) from cause
-        if self._page_crashed:
+        if lease is not None and lease.crashed:
             raise EnvCrashedError("the page's renderer crashed") from cause
 
     async def _release(self) -> None:

@@ -1,7 +1,10 @@
 """A pool of Playwright browser contexts in one system Chromium, reused across episodes with their state wiped.
 
-Playwright's own browser download cannot work on our machines, so the pool launches Debian's ``chromium``
-(``executable_path``) headless with the flags that keep it off the network. Each episode leases a context; at
+Playwright's own browser download cannot work on our machines, so the pool launches Debian's Chromium
+(``executable_path``) headless with the flags that keep it off the network. It prefers Debian's
+``chromium-headless-shell`` (the same engine without the browser UI: Playwright's own default for headless runs),
+which costs about 2.5x less CPU per step here than full ``chromium --headless`` (``docs/decisions.md``), and falls back
+to ``chromium``. Each episode leases a context; at
 release its pages are closed and its cookies, storage and permissions are wiped, and it waits for the next episode.
 A lease's route handler refuses every request outside the episode's allowed origin.
 
@@ -22,7 +25,15 @@ from urllib.parse import urlsplit
 from envs.errors import EnvError
 from envs.screen import LoopThread
 
+HEADLESS_SHELL = "/usr/lib/chromium/chromium-headless-shell"  # the binary itself: /usr/bin's wrapper does not exec
 CHROMIUM = "/usr/bin/chromium"
+
+
+def default_executable() -> str:
+    """Debian's headless shell when installed, else Debian's ``chromium``."""
+    return HEADLESS_SHELL if Path(HEADLESS_SHELL).exists() else CHROMIUM
+
+
 CHROMIUM_FLAGS = (
     "--no-sandbox",
     "--disable-gpu",
@@ -54,6 +65,28 @@ class Lease:
     blocked: list[str] = field(default_factory=list)
     """URLs refused since the last :meth:`take_blocked` (requests outside ``allowed_origin``)."""
     visited: set[str] = field(default_factory=set)
+    page: Any = None
+    """The context's page, kept across episodes (on ``about:blank`` between them): a new page costs a new renderer
+    process, which was 40% of an episode's CPU (``docs/decisions.md``)."""
+    crashed: bool = False
+    """The page's renderer crashed (set by its ``crash`` event); a crashed lease is closed, not reused."""
+
+    cdp: Any = None
+    """A CDP session on :attr:`page` (history and storage resets)."""
+
+    async def ensure_page(self) -> Any:
+        """The lease's page, made on first use."""
+        if self.page is None or self.page.is_closed():
+            self.page = await self.context.new_page()
+            self.crashed = False
+            self.page.on("crash", lambda _page: setattr(self, "crashed", True))
+            self.cdp = await self.context.new_cdp_session(self.page)
+        return self.page
+
+    async def forget_history(self) -> None:
+        """Drop the page's back/forward entries but the current one ("back" must not reach an earlier episode)."""
+        await self.ensure_page()
+        await self.cdp.send("Page.resetNavigationHistory")
 
     def take_blocked(self) -> list[str]:
         """The refused URLs since the last call."""
@@ -72,10 +105,12 @@ class BrowserPool:
     _shared_users = 0
     _shared_lock = threading.Lock()
 
-    def __init__(self, executable: str = CHROMIUM, max_idle: int = 8, launch_timeout_s: float = 30.0) -> None:
+    def __init__(self, executable: str | None = None, max_idle: int = 8, launch_timeout_s: float = 30.0) -> None:
+        executable = executable or default_executable()
         if not Path(executable).exists():
             raise EnvError(
-                f"Chromium not found at {executable}: install Debian's chromium (apt-get install -y chromium); "
+                f"Chromium not found at {executable}: install Debian's chromium-headless-shell (or chromium) "
+                "(apt-get install -y chromium-headless-shell chromium); "
                 "Playwright's own browser download is not used"
             )
         self.executable, self.max_idle, self.launch_timeout_s = executable, max_idle, launch_timeout_s
@@ -173,18 +208,21 @@ class BrowserPool:
             await route.abort("blockedbyclient")
 
     async def release(self, lease: Lease) -> None:
-        """Wipe ``lease``'s context (pages, cookies, storage, permissions) and keep it for reuse (or drop it)."""
+        """Wipe ``lease``'s context (extra pages, cookies, storage, permissions; its page goes to ``about:blank``
+        with its history) and keep it for reuse (or drop it)."""
         if not self.browser_alive(lease.generation):
             return
         ctx = lease.context
         try:
-            page = await ctx.new_page()  # a page to reach CDP's storage wipe from (it needs a target)
-            cdp = await ctx.new_cdp_session(page)
-            for origin in lease.visited:
-                await cdp.send("Storage.clearDataForOrigin", {"origin": origin, "storageTypes": "all"})
-            await cdp.detach()
+            if lease.crashed:
+                raise EnvError("the page's renderer crashed")
+            page = await lease.ensure_page()  # also the target CDP's storage wipe needs
             for p in list(ctx.pages):
-                await p.close()
+                if p is not page:
+                    await p.close()
+            await page.goto("about:blank")  # leaves the site: no script of the last episode keeps running
+            for origin in lease.visited:
+                await lease.cdp.send("Storage.clearDataForOrigin", {"origin": origin, "storageTypes": "all"})
             await ctx.clear_cookies()
             await ctx.clear_permissions()
         except Exception:  # noqa: BLE001 - a context that cannot be wiped is closed instead of reused
