@@ -200,3 +200,50 @@ def test_partial_rollouts_across_a_weight_update(tiny_model, partial):
     else:  # the aborted generation was discarded and run again under version 1
         assert traj.info["recycled"] == 1 and set(first.versions[lo:hi]) == {1}
         assert batch_metrics([Group("g0", 2, [traj])])["partial_ratio"] == 0
+
+
+class ScriptedEngine:
+    """An InferenceEngine that answers request k with the k-th scripted text (then ``<|im_end|>``)."""
+
+    def __init__(self, tok: ChatTokenizer, replies: list[str]) -> None:
+        self.tok, self.replies, self.calls = tok, list(replies), 0
+        self.weight_version = 0
+
+    async def generate(self, input_ids, sampling, rid=None):
+        from agentflow.types import GenerateResult
+
+        ids = self.tok.encode(self.replies[self.calls]) + [self.tok.im_end_id]
+        self.calls += 1
+        return GenerateResult(rid or "r", ids, [-0.5] * len(ids), [0] * len(ids), "stop", len(input_ids))
+
+
+def test_malformed_tool_call_gets_the_white_box_error_turn_through_the_proxy(tiny_model):
+    """A malformed tool call is not the demo agent's answer: as in the white-box loop, the model is told the error
+    and the episode goes on, so both agents record the same tokens and the same reward (a malformed call that
+    ended the black-box episode with reward 0 made the black-box demo a different, collapse-prone RL problem)."""
+    from agentflow.proxy.demo_agent import tool_agent
+    from envs.demo import make_task
+
+    task = make_task(7)
+    replies = [
+        '<tool_call>\n{"name": "calc", "arguments": {"expression": "1 +"}}\n"}}\n</tool_call>',  # malformed
+        f'<tool_call>\n{{"name": "calc", "arguments": {{"expression": "{task.expression}"}}}}\n</tool_call>',
+        str(task.answer),
+    ]
+    tok = ChatTokenizer(tiny_model)
+    spec = EpisodeSpec("ep-m", "g0", 7, env_id="agentflow/Calc-v0")
+    env = envs.make("agentflow/Calc-v0")
+    white = asyncio.run(run_episode(ScriptedEngine(tok, replies), tok, env, spec, GREEDY, 512))
+
+    async def black_box():
+        async with ProxyServer(ScriptedEngine(tok, replies), tok) as proxy:
+            return await BlackBoxRunner(proxy, CallableProgram(tool_agent), 60.0, 512).run(env, spec, GREEDY)
+
+    black = asyncio.run(black_box())
+    env.close()
+    assert white.turns[0].error is not None and white.reward == 1.0 and len(white.turns) == 3
+    assert black.status == "ok" and black.reward == white.reward and black.info["success"], black.info
+    assert [s.kind for s in black.segments] == ["root"] and black.info["tito_mismatch"] == 0
+    for field in ("token_ids", "loss_mask", "logprobs", "versions"):
+        assert getattr(black.segments[0], field) == getattr(white.segments[0], field), field
+    assert [t.span for t in black.turns] == [t.span for t in white.turns]

@@ -2,7 +2,10 @@
 
 Each turn it sends the whole conversation with the env's tools; a reply with tool calls runs the first one on the
 env (through the runner's handle, or the proxy's tool route when run as a subprocess) and continues; a reply
-without one is the answer. So it plays the same policy as the white-box loop, through the proxy instead.
+without one is the answer. A malformed tool call is not an answer: the proxy returns it as plain text (as
+OpenAI-compatible servers do), and the agent tells the model the parse error in a tool message and goes on, exactly
+as the white-box loop (agentflow/agent.py) does. So it plays the same policy in the same episode as the white-box
+loop, token for token, through the proxy instead.
 
 As a Python agent: ``agent.entry: agentflow.proxy.demo_agent:tool_agent`` (plain aiohttp, a runtime dependency).
 As a subprocess: ``agent.command: ["{python}", "-m", "agentflow.proxy.demo_agent"]`` (the ``openai`` client).
@@ -29,7 +32,13 @@ async def play(messages: list[dict[str, Any]], max_turns: int, chat: Chat, tool:
         reply = await chat(messages)
         calls = reply.get("tool_calls") or []
         if not calls:
-            return reply.get("content") or ""
+            error = malformed_call(reply.get("content") or "")
+            if error is None:
+                return reply.get("content") or ""
+            # As the white-box loop: the model sees the error (as a tool result) and the episode goes on.
+            messages.append({"role": "assistant", "content": reply.get("content")})
+            messages.append({"role": "tool", "content": f"Error: {error}"})
+            continue
         messages.append({"role": "assistant", "content": reply.get("content"), "tool_calls": calls})
         fn = calls[0]["function"]
         output, done = await tool(fn["name"], json.loads(fn["arguments"] or "{}"))
@@ -37,6 +46,17 @@ async def play(messages: list[dict[str, Any]], max_turns: int, chat: Chat, tool:
             return None
         messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": output})
     return None
+
+
+def malformed_call(content: str) -> str | None:
+    """Why a reply's text is a tool call that could not be parsed, or None for a plain answer.
+
+    The proxy returns a malformed call as text; the chat format's own parser names the error, so the message the model
+    gets is the white-box loop's.
+    """
+    from agentflow.chat import parse_reply
+
+    return parse_reply(content).error
 
 
 async def tool_agent(task: BlackBoxTask) -> str | None:
