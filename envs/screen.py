@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import gymnasium
 
 from envs.core import AgentEnv
 from envs.errors import EnvError
+from envs.tasks import lookup_task_set
 
 T = TypeVar("T")
 
@@ -93,6 +94,10 @@ class ScreenEnv(AgentEnv):
 
     step_timeout_s: float = 60.0
     """Upper bound on one backend operation seen from the sync API (a hung backend must not hang a caller)."""
+    split: str = "train"
+    task_set: str = "default"
+    task: Any = None
+    """The current episode's task (see :meth:`draw_task`)."""
 
     def __init__(self, max_turns: int | None = None) -> None:
         super().__init__(max_turns=max_turns)
@@ -117,6 +122,17 @@ class ScreenEnv(AgentEnv):
         raise NotImplementedError
 
     # -- helpers for subclasses --------------------------------------------------------------------------------
+    def draw_task(self, seed: int, options: dict[str, Any], make: Callable[[int, str, str | None], Any]) -> dict:
+        """Draw the episode's task (``make(task_seed, split, task_type)``) from the options' split and task set
+        (default: the env's ``split`` and ``task_set``) into ``self.task``; returns the reset info's task fields."""
+        split = options.get("split", self.split)
+        set_name = options.get("task_set", self.task_set)
+        ts = lookup_task_set(self.task_sets, set_name, type(self).__name__).task_seed(seed, split)
+        self.task = make(ts, split, options.get("task_type"))
+        self._checks = {}
+        return {"task_id": self.task.task_id, "task_type": self.task.task_type, "split": split, "seed": ts,
+                "task_set": set_name}  # fmt: skip
+
     def add_image(self, png: bytes) -> None:
         """Attach a screenshot to the current step's info."""
         self._images.append(png)

@@ -95,11 +95,7 @@ class BrowserEnv(ScreenEnv):
     # -- episode -----------------------------------------------------------------------------------------------
     async def areset_task(self, seed: int, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Draw the task, reset the app's state, lease a clean context and open the start page."""
-        split = options.get("split", self.split)
-        set_name = options.get("task_set", self.task_set)
-        ts = lookup_task_set(self.task_sets, set_name, type(self).__name__).task_seed(seed, split)
-        self.task = make_task(ts, split, options.get("task_type"))
-        self._checks = {}
+        info = self.draw_task(seed, options, make_task)
         if not self.apps.port:
             await self.apps.start()
         self.apps.reset(self.task.catalog, list(self.task.todos))
@@ -114,9 +110,7 @@ class BrowserEnv(ScreenEnv):
         except Exception as e:  # noqa: BLE001 - a crash is re-raised as such; anything else is a broken backend
             self._raise_if_crashed(e)
             raise EnvError(f"could not open the start page: {e}") from e
-        obs = f"Task: {self.task.prompt}\n{await self._observe()}"
-        info = {"task_id": self.task.task_id, "task_type": self.task.task_type, "split": split, "seed": ts}
-        return obs, {**info, "task_set": set_name}
+        return f"Task: {self.task.prompt}\n{await self._observe()}", info
 
     async def atool(self, name: str, arguments: dict[str, Any]) -> str:
         """Run a browser tool, then observe the page."""

@@ -102,17 +102,11 @@ class DesktopEnv(ScreenEnv):
     # -- episode -----------------------------------------------------------------------------------------------
     async def areset_task(self, seed: int, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Draw the task, make sure the X server lives (a new one if it died) and start the task's app."""
-        split = options.get("split", self.split)
-        set_name = options.get("task_set", self.task_set)
-        ts = lookup_task_set(self.task_sets, set_name, type(self).__name__).task_seed(seed, split)
-        self.task = make_task(ts, split, options.get("task_type"))
-        self._checks = {}
+        info = self.draw_task(seed, options, make_task)
         await self._stop_app()
         await self._ensure_x()
         await self._start_app(self.task)
-        obs = f"Task: {self.task.prompt}\n{await self._observe()}"
-        info = {"task_id": self.task.task_id, "task_type": self.task.task_type, "split": split, "seed": ts}
-        return obs, {**info, "task_set": set_name}
+        return f"Task: {self.task.prompt}\n{await self._observe()}", info
 
     async def atool(self, name: str, arguments: dict[str, Any]) -> str:
         """Send the input through XTEST, then observe."""
