@@ -127,6 +127,13 @@ class StoreConfig(Section):
     """B: groups per train step."""
     stale_steps: int = Field(1, ge=0)
     """Largest allowed staleness (trainer version - oldest token version) of a trained trajectory."""
+    collect: Literal["fifo", "first_finished"] = "fifo"
+    """Which finished groups make a batch: ``fifo`` the B oldest-dispatched (waits for the slowest; trains episode
+    lengths as sampled), ``first_finished`` the B earliest-finished in the window (less waiting; slow, i.e. long,
+    episodes that pass the staleness bound are dropped unless ``length_aware``)."""
+    length_aware: bool = True
+    """``first_finished`` only: take the groups whose staleness deadline would otherwise be missed first (waiting for
+    them if need be), so no group is dropped for being slow and training is not skewed toward short episodes."""
 
 
 class TrainerConfig(Section):

@@ -233,7 +233,10 @@ async def _loop(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, router: Ro
     engine = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed)
     transport = make_transport(cfg.transfer, [engine])
     pool = EnvPool(sources(cfg)[0].env_id, dict(sources(cfg)[0].env_kwargs))
-    store = TrajectoryStore(cfg.store.batch_groups, cfg.store.stale_steps, Journal(run_dir / "journal.jsonl"))
+    journal = Journal(run_dir / "journal.jsonl")
+    store = TrajectoryStore(
+        cfg.store.batch_groups, cfg.store.stale_steps, journal, cfg.store.collect, cfg.store.length_aware
+    )
     rollouts = Rollouts(engine, ChatTokenizer(policy_dir), pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
     metrics = MetricsLogger(run_dir, cfg.run.progress)
     manager = make_manager(cfg, router) if router is not None else None

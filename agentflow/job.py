@@ -206,7 +206,9 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, resume: bool
     trainer, engine, pool, runtime = await _components(cfg, policy_dir, run_dir)
     transport = make_transport(cfg.transfer, [engine])
     stale = {"sync": 0, "one_step": 1}.get(cfg.run.mode, cfg.store.stale_steps)
-    store = TrajectoryStore(cfg.store.batch_groups, stale, Journal(run_dir / "journal.jsonl"))
+    store = TrajectoryStore(
+        cfg.store.batch_groups, stale, Journal(run_dir / "journal.jsonl"), cfg.store.collect, cfg.store.length_aware
+    )
     agent = agent_from_config(cfg)  # whitebox loop, or a blackbox program behind the recording proxy
     await agent.start(engine, ChatTokenizer(policy_dir))
     rollouts = Rollouts(engine, ChatTokenizer(policy_dir), pool, cfg.engine.max_len, cfg.rollout.max_concurrency, agent)
@@ -263,6 +265,10 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, resume: bool
         "staleness_histogram": store.histogram(),
         "stale_steps": stale,
         "dropped_stale_groups": sm["dropped_stale_groups"],
+        "store_collect": store.strategy,
+        "length_bias": sm["length_bias"],  # trained / accepted mean episode length (model tokens): 1.0 is unbiased
+        "trained_len_mean": sm["trained_len_mean"],
+        "finished_len_mean": sm["finished_len_mean"],
         "gate_closures": sm["gate_closures"],
         "overlap_fraction": overlap_seconds(engine_spans, trainer_spans) / max(result.wall_s, 1e-9),
         "engine_busy_fraction": sum(b - a for a, b in engine_spans) / max(result.wall_s, 1e-9),

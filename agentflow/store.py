@@ -1,14 +1,15 @@
 """Sliding-window trajectory store: bounds how stale a trained trajectory may be, journals what it accepts.
 
-Window (v1): at most ``C = B * (1 + stale_steps)`` groups may be dispatched-or-finished-but-untrained at once, and
-the n-th group (counting from 0 over the run) may start only once the engine holds weight version
-``v >= n // B - stale_steps``. Batches are collected strictly in dispatch order (FIFO), so the n-th group is trained
-at trainer version ``n // B`` and its staleness is at most ``stale_steps``. (A plain capacity cap is not enough: groups
-dispatched while the trainer steps still sample from the old version and are trained two versions later.) A group
-whose staleness would still exceed the bound (after a resume, say) is not trained; it stays in the journal and is
-counted in ``dropped_stale``.
+Window: at most ``C = B * (1 + stale_steps)`` groups may be dispatched-or-finished-but-untrained at once, and the
+n-th live-or-trained group (counting from 0 over the run) may start only once the trainer is at version
+``v >= n // B - stale_steps`` (the version gate). A plain capacity cap is not enough: groups dispatched while the
+trainer steps still sample from the old version and are trained two versions later. Which finished groups make a
+batch is the ``collect`` strategy (``fifo`` or ``first_finished``, see :class:`TrajectoryStore`). A group whose
+staleness would exceed the bound when collected is not trained; it stays in the journal and is counted in
+``dropped_stale``.
 
 Staleness of a trajectory trained at trainer version ``t`` is ``t - (its oldest token version)`` (DESIGN.md).
+Episode length, for the length-bias accounting, is the number of model-generated tokens of a trajectory.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import asyncio
 import json
 import os
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from agentflow.types import NO_VERSION, Group, Trajectory
 
@@ -58,19 +61,87 @@ class Journal:
         return out
 
 
-class TrajectoryStore:
-    """Groups in flight and finished, the staleness window, and the metrics about both."""
+Collect = Literal["fifo", "first_finished"]
 
-    def __init__(self, batch_groups: int, stale_steps: int, journal: Journal | None = None) -> None:
+
+@dataclass(eq=False)  # compared by identity: picks are tested with ``in``
+class _Slot:
+    """One dispatched, not yet trained group: in flight while ``group`` is None."""
+
+    order: int  # dispatch order
+    version: int  # trainer version at dispatch: a lower bound on its token versions (the engine is never behind)
+    group: Group | None = None
+    finished: int = -1  # finish (accept) order
+    min_version: int = 0  # of the finished group's tokens
+
+    def deadline(self, stale_steps: int) -> int:
+        """The last trainer version at which this group is still within the staleness bound."""
+        return (self.min_version if self.group is not None else self.version) + stale_steps
+
+
+@dataclass
+class _Lengths:
+    """Running sum and count of episode lengths (model tokens per trajectory)."""
+
+    tokens: int = 0
+    n: int = 0
+
+    def add(self, group: Group) -> None:
+        self.tokens += sum(t.num_model_tokens() for t in group.trajectories)
+        self.n += len(group.trajectories)
+
+    def mean(self) -> float:
+        return self.tokens / self.n if self.n else 0.0
+
+
+class TrajectoryStore:
+    """Groups in flight and finished, the staleness window, the batch choice, and the metrics about them.
+
+    ``collect="fifo"``: a batch is the ``B`` oldest-dispatched groups, waiting for all of them. The n-th group is
+    trained at version ``n // B`` (the gate makes that within the bound) and every dispatched group is trained in
+    dispatch order, so training sees episode lengths exactly as they were sampled; the price is that the trainer waits
+    for the slowest episode of each batch.
+
+    ``collect="first_finished"``: a batch is the ``B`` earliest-finished groups in the window, so the trainer waits
+    for the B-th fastest instead. Long episodes finish late; while they run the trainer moves on, and one that finishes
+    more than ``stale_steps`` versions after it started is dropped. Dropping is length-biased (long episodes are the
+    late ones), so the trained mix skews short: ``length_bias`` in :meth:`metrics` measures it.
+
+    ``length_aware`` (``first_finished`` only) removes that drop mechanism with deadline-aware selection. Every live
+    group has a deadline: the last trainer version at which it is within the bound (its oldest token version, or while
+    in flight the version it was dispatched at, plus ``stale_steps``). At version ``t`` the batches ``t .. j`` hold
+    ``(j - t + 1) * B`` groups, so this batch must take at least ``r_j = #{deadline <= j} - (j - t) * B`` groups with a
+    deadline ``<= j``, for every ``j``; the earliest-finished groups fill what is left. When a required group is still
+    running the trainer waits for it, exactly as ``fifo`` waits for its head. This is earliest-deadline feasibility:
+    with the capacity cap (``C = (1 + stale_steps) * B`` live groups, and later dispatches have later deadlines) the
+    requirements never exceed ``B``, so no group is dropped for being slow, while short groups still jump ahead
+    whenever there is slack. Why not length buckets with debts: they reweight which short or long group is taken but
+    cannot stop a long group from passing its deadline, which is the actual source of the bias.
+    """
+
+    def __init__(
+        self,
+        batch_groups: int,
+        stale_steps: int,
+        journal: Journal | None = None,
+        collect: Collect = "fifo",
+        length_aware: bool = True,
+    ) -> None:
+        if collect not in ("fifo", "first_finished"):
+            raise ValueError(f"collect must be 'fifo' or 'first_finished', got {collect!r}")
         self.batch_groups = batch_groups
         self.stale_steps = stale_steps
         self.capacity = batch_groups * (1 + stale_steps)
         self.journal = journal
+        self.collect = collect
+        self.length_aware = length_aware
         self.trainer_version = 0
-        self._in_flight: dict[str, int] = {}  # group id -> dispatch order
-        self._ready: dict[str, tuple[int, Group]] = {}
+        self._live: dict[str, _Slot] = {}  # dispatched, not yet trained (in flight or finished)
         self._order = 0
-        self._dispatched = 0  # groups dispatched this run (the n of the window rule)
+        self._finished = 0
+        # live-or-trained groups this run (the n of the gate); failed and dropped groups give theirs back, else each
+        # one would shrink the window for good and enough of them would stop dispatch altogether
+        self._dispatched = 0
         self._gate_open = True
         self._cond = asyncio.Condition()
         self.staleness_hist: Counter[int] = Counter()
@@ -78,16 +149,25 @@ class TrajectoryStore:
         self.gate_closures = 0  # times dispatch was stopped for a batch (sync mode only; async never closes it)
         self.failed_groups = 0
         self.accepted = 0
+        self.finished_len = _Lengths()  # every accepted trajectory, trained, dropped or pending
+        self.trained_len = _Lengths()
+        self.dropped_len = _Lengths()
+        self.last_batch_len = _Lengths()
+
+    @property
+    def strategy(self) -> str:
+        """The collection strategy in words: ``fifo``, ``first_finished`` or ``first_finished+length_aware``."""
+        return self.collect + ("+length_aware" if self.collect != "fifo" and self.length_aware else "")
 
     # -- dispatch side ------------------------------------------------------------------------------------------
     def occupancy(self) -> int:
-        return len(self._in_flight) + len(self._ready)
+        return len(self._live)
 
     async def acquire_slot(self, group_id: str) -> None:
         """Wait until the window (and the gate) admit one more group, then count it as dispatched."""
         async with self._cond:
             await self._cond.wait_for(self._admits_one_more)
-            self._in_flight[group_id] = self._order
+            self._live[group_id] = _Slot(self._order, self.trainer_version)
             self._order += 1
             self._dispatched += 1
 
@@ -106,43 +186,53 @@ class TrajectoryStore:
         if self.journal is not None:
             self.journal.append(group.trajectories)
         # no await between journaling and making it collectable: a cancelled feeder cannot strand a journaled group
-        order = self._in_flight.pop(group.id)
-        self._ready[group.id] = (order, group)
+        self._finish(self._live[group.id], group)
         self.accepted += len(group.trajectories)
         async with self._cond:
             self._cond.notify_all()
 
+    def _finish(self, slot: _Slot, group: Group) -> None:
+        slot.group, slot.finished, slot.min_version = group, self._finished, group.min_version()
+        self._finished += 1
+        self.finished_len.add(group)
+
     async def fail(self, group_id: str) -> None:
         """A group that could not finish frees its slot."""
         async with self._cond:
-            self._in_flight.pop(group_id, None)
+            if self._live.pop(group_id, None) is not None:
+                self._dispatched -= 1
             self.failed_groups += 1
             self._cond.notify_all()
 
     def restore(self, groups: list[Group], trainer_version: int = 0) -> None:
         """Resume: the trainer is at ``trainer_version`` (each version consumed ``B`` groups) and ``groups`` are the
-        journaled, untrained groups in dispatch order; they are collected first, before anything dispatched now.
+        journaled, untrained groups in dispatch order; ``fifo`` collects them first, before anything dispatched now.
 
         The window counts them as dispatched, so the next group is gated exactly as it would have been without the
         crash and restored groups keep their staleness bound (group ``n`` was sampled at a version
-        ``>= n // B - stale_steps`` and is trained at ``n // B`` again).
+        ``>= n // B - stale_steps`` and is trained at ``n // B`` again). They count as finished for the length bias.
         """
         self.trainer_version = trainer_version
         self._dispatched = trainer_version * self.batch_groups + len(groups)
         for g in groups:
-            self._ready[g.id] = (self._order, g)
+            slot = _Slot(self._order, trainer_version)
             self._order += 1
+            self._live[g.id] = slot
+            self._finish(slot, g)
 
     def pending_ids(self) -> list[str]:
         """Trajectory ids accepted (journaled) but not yet collected for training."""
-        return [t.id for _, g in sorted(self._ready.values(), key=lambda x: x[0]) for t in g.trajectories]
+        return [t.id for s in sorted(self._ready(), key=lambda s: s.order) for t in s.group.trajectories]
+
+    def _ready(self) -> list[_Slot]:
+        return [s for s in self._live.values() if s.group is not None]
 
     # -- training side -------------------------------------------------------------------------------------------
     def staleness(self, group: Group) -> int:
         return self.trainer_version - group.min_version()
 
     async def get_batch(self, close_gate: bool = False) -> list[Group]:
-        """Wait for ``B`` finished groups within the staleness bound, oldest dispatch first.
+        """Wait for ``B`` finished groups within the staleness bound, chosen by the ``collect`` strategy.
 
         ``close_gate`` closes the dispatch gate in the same critical section (sync mode: no group may start on the
         capacity this batch frees until the new weights are in the engine).
@@ -150,12 +240,15 @@ class TrajectoryStore:
         async with self._cond:
             while True:
                 self._drop_too_stale()
-                batch = self._oldest_if_finished()
+                batch = self._choose()
                 if batch is not None:
                     break
                 await self._cond.wait()
+            self.last_batch_len = _Lengths()
             for g in batch:
-                del self._ready[g.id]
+                del self._live[g.id]
+                self.trained_len.add(g)
+                self.last_batch_len.add(g)
                 for t in g.trajectories:
                     if t.min_version() != NO_VERSION:
                         self.staleness_hist[self.trainer_version - t.min_version()] += 1
@@ -165,23 +258,60 @@ class TrajectoryStore:
             self._cond.notify_all()
             return batch
 
+    def _choose(self) -> list[Group] | None:
+        if self.collect == "fifo":
+            return self._oldest_if_finished()
+        ready = sorted(self._ready(), key=lambda s: s.finished)
+        picks = self._due_picks(ready) if self.length_aware else []
+        if picks is None:
+            return None
+        picks += [s for s in ready if s not in picks][: self.batch_groups - len(picks)]
+        return [s.group for s in picks] if len(picks) == self.batch_groups else None
+
     def _oldest_if_finished(self) -> list[Group] | None:
         """The ``B`` oldest-dispatched groups when all of them have finished (FIFO collection), else None.
 
         Strict FIFO is what makes the window a staleness bound: a group admitted while fewer than ``C`` groups were
         ahead of it is trained within ``1 + stale_steps`` batches, so nothing has to be dropped.
         """
-        orders = sorted([(o, gid) for gid, o in self._in_flight.items()] + [(o, g.id) for o, g in self._ready.values()])
-        head = orders[: self.batch_groups]
-        if len(head) < self.batch_groups or any(gid not in self._ready for _, gid in head):
+        head = sorted(self._live.values(), key=lambda s: s.order)[: self.batch_groups]
+        if len(head) < self.batch_groups or any(s.group is None for s in head):
             return None
-        return [self._ready[gid][1] for _, gid in head]
+        return [s.group for s in head]
+
+    def _due_picks(self, ready: list[_Slot]) -> list[_Slot] | None:
+        """The finished groups this batch must take so that no live group misses its deadline (earliest finished
+        first among those that qualify), or None while a required group is still running.
+
+        Requirements are capped at ``B``: more can only happen when the bound was already broken (a resumed run, an
+        engine behind the trainer), and then the earliest deadlines go first and the rest are dropped as stale.
+        """
+        t, b, s = self.trainer_version, self.batch_groups, self.stale_steps
+        # an in-flight group already past its deadline will be dropped when it finishes: waiting for it helps nobody
+        deadlines = sorted(d for d in (x.deadline(s) for x in self._live.values()) if d >= t)
+        picks: list[_Slot] = []
+        for i, j in enumerate(deadlines):
+            if i + 1 < len(deadlines) and deadlines[i + 1] == j:
+                continue  # count all groups with this deadline first
+            need = min(b, i + 1 - (j - t) * b)
+            have = sum(1 for p in picks if p.deadline(s) <= j)
+            for x in ready:
+                if have >= need:
+                    break
+                if x not in picks and x.deadline(s) <= j:
+                    picks.append(x)
+                    have += 1
+            if have < need:
+                return None
+        return picks
 
     def _drop_too_stale(self) -> None:
-        for gid, (_, g) in list(self._ready.items()):
-            if self.staleness(g) > self.stale_steps:
-                del self._ready[gid]
+        for gid, slot in list(self._live.items()):
+            if slot.group is not None and self.staleness(slot.group) > self.stale_steps:
+                del self._live[gid]
+                self._dispatched -= 1  # gives its place in the gate back (see __init__)
                 self.dropped_stale += 1
+                self.dropped_len.add(slot.group)
 
     async def set_trainer_version(self, version: int) -> None:
         async with self._cond:
@@ -189,17 +319,30 @@ class TrajectoryStore:
             self._cond.notify_all()
 
     def metrics(self) -> dict[str, float]:
+        """Staleness, window and length-bias numbers (logged every step, and the last ones go into summary.json).
+
+        ``length_bias`` = mean episode length (model tokens) of the trajectories trained so far / that of every
+        trajectory accepted so far (trained, dropped or still pending): 1.0 is unbiased, below 1 means training saw
+        shorter episodes than were sampled. ``batch_length_bias`` is the same for the last batch alone.
+        """
         n = sum(self.staleness_hist.values())
         mean = sum(k * v for k, v in self.staleness_hist.items()) / n if n else 0.0
+        fin = self.finished_len.mean()
+        ready = len(self._ready())
         return {
             "mean_staleness": mean,
             "max_staleness_seen": max(self.staleness_hist, default=0),
             "dropped_stale_groups": self.dropped_stale,
             "gate_closures": self.gate_closures,
             "failed_groups": self.failed_groups,
-            "in_flight_groups": len(self._in_flight),
-            "ready_groups": len(self._ready),
+            "in_flight_groups": len(self._live) - ready,
+            "ready_groups": ready,
             "accepted_trajectories": self.accepted,
+            "finished_len_mean": fin,
+            "trained_len_mean": self.trained_len.mean(),
+            "dropped_len_mean": self.dropped_len.mean(),
+            "length_bias": self.trained_len.mean() / fin if self.trained_len.n and fin else 1.0,
+            "batch_length_bias": self.last_batch_len.mean() / fin if self.last_batch_len.n and fin else 1.0,
         }
 
     def histogram(self) -> dict[str, int]:

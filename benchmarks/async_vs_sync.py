@@ -4,7 +4,10 @@ The workload is the demo task (agentflow/Calc-v0) whose every env step (tool cal
 a lognormal latency with median 0.3 s and sigma 1, capped at 8 s (``bench/SlowCalc-v0``), as a remote tool or a
 verifier would. Each mode runs the same model, data (task draws) and number of trained samples; the held-out
 episodes before and after RL are the same for every mode. A second pass with zero latency measures what overlap
-alone buys. Writes ``benchmarks/results/async_vs_sync.json`` and ``.png``.
+alone buys. Async mode also runs with each store collection strategy (``fifo``, ``first_finished``,
+``first_finished`` + ``length_aware``) on the latency workload: throughput, staleness and ``length_bias`` (mean model
+tokens per trained episode / per accepted episode; tool-call-heavy episodes are both longer and slower, so a strategy
+that drops late groups skews short). Writes ``benchmarks/results/async_vs_sync.json`` and ``.png``.
 
     .venv/bin/python benchmarks/async_vs_sync.py            # demo model after warm-up SFT (cached), 30 steps
     .venv/bin/python benchmarks/async_vs_sync.py --quick    # CI: a tiny random model, a few steps
@@ -20,6 +23,7 @@ import math
 import random
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,12 @@ from agentflow.model_init import ModelInitConfig, init_model
 from envs.demo import CalcEnv
 
 MODES = ("sync", "one_step", "async")
+#: async-mode store strategies compared on the latency workload: name -> overrides (``fifo`` is the plain async run)
+STRATEGIES = {
+    "fifo": [],
+    "first_finished": ["store.collect=first_finished", "store.length_aware=false"],
+    "first_finished+length_aware": ["store.collect=first_finished", "store.length_aware=true"],
+}
 TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
 
 
@@ -58,14 +68,14 @@ class SlowCalc(CalcEnv):
         return await super().ascore_answer(text)
 
 
-def run(mode: str, model: Path, out: Path, args: argparse.Namespace, median_s: float) -> dict:
-    overrides = [
+def run(mode: str, model: Path, out: Path, args: argparse.Namespace, median_s: float, strategy: str = "fifo") -> dict:
+    overrides = STRATEGIES[strategy] + [
         f"model.path={model}",
         "env.id=bench/SlowCalc-v0",
         f"env.kwargs={{median_s: {median_s}}}",
         f"run.mode={mode}",
         f"run.steps={args.steps}",
-        f"run.dir={out / f'{mode}-{median_s}'}",
+        f"run.dir={out / f'{mode}-{strategy}-{median_s}'}",
         "run.progress=false",
         f"store.batch_groups={args.batch_groups}",
         f"store.stale_steps={args.stale_steps}",
@@ -76,14 +86,17 @@ def run(mode: str, model: Path, out: Path, args: argparse.Namespace, median_s: f
         overrides += ["sft.enabled=false", "rollout.max_new_tokens=16", "engine.max_len=384"]
         overrides += ["trainer.drop_uniform_groups=false", "trainer.micro_batch_tokens=2048"]
     cfg = load_config(None if args.quick else "configs/demo.yaml", overrides)
+    t0 = time.monotonic()
     s = run_job(cfg, log=lambda *_: None)
+    s["job_wall_s"] = time.monotonic() - t0  # the whole job: start-up, evals, RL
     s["trained_samples_per_s"] = s["trajectories_trained"] / s["rl_wall_s"]
     return s
 
 
 KEYS = ("trained_samples_per_s", "rl_wall_s", "engine_busy_fraction", "trainer_busy_fraction", "overlap_fraction",
         "mean_staleness", "max_staleness_seen", "success_before_rl", "success_after_rl",
-        "trajectories_trained")  # fmt: skip
+        "trajectories_trained", "length_bias", "dropped_stale_groups", "job_wall_s")  # fmt: skip
+CONFIG_KEYS = ("quick", "steps", "repeats", "batch_groups", "group_size", "stale_steps", "eval_episodes", "strategies")
 
 
 def main() -> None:
@@ -96,6 +109,12 @@ def main() -> None:
     ap.add_argument("--stale-steps", type=int, default=2, help="async mode's window (one_step is 1, sync 0)")
     ap.add_argument("--eval-episodes", type=int, default=None)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument(
+        "--strategies",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run async with first_finished (with and without length_aware) on the latency workload",
+    )
     args = ap.parse_args()
     quick = {"steps": 4, "batch_groups": 2, "group_size": 4, "eval_episodes": 4}
     full = {"steps": 30, "batch_groups": 6, "group_size": 8, "eval_episodes": 100}
@@ -105,6 +124,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {}
+    start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         if args.quick:
             model = init_model(Path(tmp) / "model", TINY, env_ids=["agentflow/Calc-v0"])
@@ -114,18 +134,25 @@ def main() -> None:
             for median in (0.3, 0.0):
                 for mode in MODES if median else ("sync", "async"):  # interleaved so machine noise hits all alike
                     runs.setdefault(f"{mode}@{median}", []).append(run(mode, model, Path(tmp) / "runs", args, median))
+            for strategy in list(STRATEGIES)[1:] if args.strategies else ():  # fifo is the async run above
+                r = run("async", model, Path(tmp) / "runs", args, 0.3, strategy)
+                runs.setdefault(f"async+{strategy}@0.3", []).append(r)
     table = summarize(runs, args)
+    table["bench_wall_s"] = time.monotonic() - start
     (out / "async_vs_sync.json").write_text(json.dumps(table, indent=2))
     plot(table, out / "async_vs_sync.png")
-    print(json.dumps({k: v for k, v in table.items() if not isinstance(v, dict)}, indent=2))
+    big = ("modes", "zero_latency", "async_strategies", "targets", "config", "latency")
+    print(json.dumps({k: v for k, v in table.items() if k not in big}, indent=2))
 
 
 def summarize(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict:
     med = {name: {k: statistics.median(r[k] for r in rs) for k in KEYS} for name, rs in runs.items()}
     lat = {m: med[f"{m}@0.3"] for m in MODES}
     sync = lat["sync"]
+    strategies = {"fifo": lat["async"]} | {s: med[f"async+{s}@0.3"] for s in STRATEGIES if f"async+{s}@0.3" in med}
     return {
         "modes": lat,
+        "async_strategies": strategies if len(strategies) > 1 else {},
         "zero_latency": {m: med[f"{m}@0.0"] for m in ("sync", "async")},
         "speedup_async_vs_sync": lat["async"]["trained_samples_per_s"] / sync["trained_samples_per_s"],
         "speedup_one_step_vs_sync": lat["one_step"]["trained_samples_per_s"] / sync["trained_samples_per_s"],
@@ -133,21 +160,23 @@ def summarize(runs: dict[str, list[dict]], args: argparse.Namespace) -> dict:
         "sync_success_gain": sync["success_after_rl"] - sync["success_before_rl"],
         "async_success_minus_sync": lat["async"]["success_after_rl"] - sync["success_after_rl"],
         "max_staleness_seen": max(m["max_staleness_seen"] for m in med.values()),
+        "max_staleness_per_mode": {m: lat[m]["max_staleness_seen"] for m in MODES},
+        "length_bias_per_mode": {m: lat[m]["length_bias"] for m in MODES},
+        "length_bias_per_strategy": {s: v["length_bias"] for s, v in strategies.items()},
+        "dropped_stale_per_strategy": {s: v["dropped_stale_groups"] for s, v in strategies.items()},
         "stale_steps": {"sync": 0, "one_step": 1, "async": args.stale_steps},
         "staleness_within_bound": all(
             med[f"{m}@0.3"]["max_staleness_seen"] <= {"sync": 0, "one_step": 1, "async": args.stale_steps}[m]
             for m in MODES
-        ),
+        )
+        and all(v["max_staleness_seen"] <= args.stale_steps for v in strategies.values()),
         "targets": {
             "speedup_async_vs_sync": 2.0,
             "speedup_zero_latency": 1.3,
             "sync_success_gain": 0.10,
             "async_within_sync": 0.05,
         },  # fmt: skip
-        "config": {
-            k: getattr(args, k)
-            for k in ("quick", "steps", "repeats", "batch_groups", "group_size", "stale_steps", "eval_episodes")
-        },  # fmt: skip
+        "config": {k: getattr(args, k) for k in CONFIG_KEYS},
         "latency": {"median_s": 0.3, "sigma": 1.0, "cap_s": 8.0, "on": "every env step (tool call or answer check)"},
         "statistic": "median over repeats",
     }
@@ -159,7 +188,8 @@ def plot(table: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    strategies = table.get("async_strategies") or {}
+    fig, axes = plt.subplots(1, 4 if strategies else 3, figsize=(17 if strategies else 13, 3.6))
     modes = list(MODES)
     axes[0].bar(modes, [table["modes"][m]["trained_samples_per_s"] for m in modes], color=["#888", "#58a", "#2a7"])
     axes[0].set_title(f"trained samples/s, tool latency (async x{table['speedup_async_vs_sync']:.2f})")
@@ -172,6 +202,16 @@ def plot(table: dict, path: Path) -> None:
     axes[2].set_xticks([j + 0.27 for j in range(3)], ["engine busy", "trainer busy", "overlap"])
     axes[2].set_title("share of RL wall time (with latency)")
     axes[2].legend(fontsize=8)
+    if strategies:  # async store strategies: throughput (bars), length bias and drops (labels)
+        names = list(strategies)
+        axes[3].bar(range(len(names)), [strategies[n]["trained_samples_per_s"] for n in names], color="#2a7")
+        v = [strategies[n] for n in names]
+        labels = [
+            n.replace("+", "+\n") + f"\nbias {x['length_bias']:.2f}, drop {x['dropped_stale_groups']:g}"
+            for n, x in zip(names, v, strict=True)
+        ]
+        axes[3].set_xticks(range(len(names)), labels, fontsize=7)
+        axes[3].set_title("async store strategies: trained samples/s")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
