@@ -34,21 +34,9 @@ import _path  # noqa: F401  (must come before the project's imports: see _path.p
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = "agentflow-policy"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
+sys.path.insert(0, str(ROOT / "tests"))
+from test_proxy_model import MODEL, TOOLS  # noqa: E402  (the tool the tiny test model is trained on)
+
 QUESTIONS = 3
 
 
@@ -275,7 +263,6 @@ def main() -> None:
     torch.set_num_threads(1)
     args.agents, args.subprocesses = (32, 4) if args.quick else (256, 16)
     args.overhead_calls = 30 if args.quick else 200
-    sys.path.insert(0, str(ROOT / "tests"))
     from test_proxy_model import train_tool_model
 
     with tempfile.TemporaryDirectory() as tmp:

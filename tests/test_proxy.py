@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import openai
 import pytest
 import requests
-from test_proxy_model import tool_model_dir
+from test_proxy_model import MODEL, TOOLS, tool_model_dir
 
 from agentflow.chat import IM_END, ChatTokenizer, render_conversation
 from agentflow.engine.embedded import EmbeddedEngine
@@ -19,21 +19,6 @@ from agentflow.proxy import SEGMENT_HEADER, ProxyServer
 from agentflow.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(900)  # the tool model is trained on first use
-MODEL = "agentflow-policy"
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "Evaluate an arithmetic expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=48)
 
 

@@ -15,6 +15,22 @@ from agentflow.chat import IM_END, ChatTokenizer, parse_reply, render_conversati
 from agentflow.model_init import ModelInitConfig, init_model
 
 pytestmark = pytest.mark.timeout(900)  # the tool model is trained on first use
+# What the proxy tests and benchmarks/proxy.py send: the model name and the tool the tiny model was trained on.
+MODEL = "agentflow-policy"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "Evaluate an arithmetic expression.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
 TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
 CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "2 + 3"}}\n</tool_call>' + IM_END
 ANSWER = "5" + IM_END
