@@ -92,8 +92,8 @@ def bench_browser(quick: bool) -> dict[str, Any]:
     envs_ = [BrowserEnv(pool=pool) for _ in range(4)]
     try:
         asyncio.run(run_episodes(envs_, expert_action, TASK_TYPES, 4))  # warm-up: launch, every env's context
-        one = asyncio.run(run_episodes(envs_[:1], expert_action, TASK_TYPES, 8 if quick else 24))
-        four = asyncio.run(run_episodes(envs_, expert_action, TASK_TYPES, 16 if quick else 48))
+        one = asyncio.run(run_episodes(envs_[:1], expert_action, TASK_TYPES, 8 if quick else 36))
+        four = asyncio.run(run_episodes(envs_, expert_action, TASK_TYPES, 16 if quick else 96))
     finally:
         for e in envs_:
             e.close()
