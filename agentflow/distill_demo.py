@@ -4,7 +4,7 @@ Stages (each cached in ``runs/distill``, run ``python -m agentflow.distill_demo`
 
 1. **student**: warm-up SFT of a fresh model on envs.demo's flawed Calc expert (right on add/mul, wrong on
    mod/sub) - the demo's usual starting point. It has never seen the retrieval env.
-2. **teachers**: the student's warm-up after 2 epochs (:func:`teacher_init`) fine-tuned by SFT on a *correct*
+2. **teachers**: the student's finished warm-up (:func:`teacher_init`) fine-tuned by SFT on a *correct*
    Calc expert (teacher ``calc``) and, separately, on the retrieval env's single-hop expert (teacher ``qa``). Same
    tokenizer as the student by construction.
 3. **distill**: ``agentflow distill configs/distill.yaml``: on-policy distillation from both teachers, each data
@@ -71,14 +71,11 @@ def base_model() -> Path:
 
 
 def teacher_init() -> Path:
-    """The teachers' starting weights: the student's warm-up after its second epoch, when it has learnt the chat
-    and tool-call format and to copy digits, but not yet the flawed expert's mistakes in full. Our run copied that
-    epoch's checkpoint to ``runs/distill/teacher-init``; without it, a 2-epoch run of the same recipe stands in (its
-    LR schedule is shorter, so it is close to, not identical with, that checkpoint)."""
-    init = ROOT / "teacher-init"
-    if (init / "config.json").is_file():
-        return init
-    return _sft(base_model(), "calc", "envs.demo:expert_action", {**STUDENT_SFT, "max_epochs": 2})
+    """The teachers' starting weights: the student's finished warm-up. (The epoch-2 checkpoint used before was still
+    on the warm-up's loss plateau near 1.0, before the model learns to copy digits, and 3-4 teacher epochs did not
+    leave it: both teachers scored ~0.) From here the ``calc`` teacher only has to unlearn one misread digit, and the
+    ``qa`` teacher starts from a model that already follows the chat and tool-call format."""
+    return _sft(base_model(), "calc", "envs.demo:expert_action", STUDENT_SFT)
 
 
 def train_teachers() -> tuple[Path, Path]:
@@ -86,7 +83,7 @@ def train_teachers() -> tuple[Path, Path]:
     init = teacher_init()
     calc = _sft(init, "calc", "agentflow.distill_experts:calc_expert", {"episodes": 600, "max_epochs": 3,
                                                                          "lr": 1e-3, "batch_size": 32})  # fmt: skip
-    qa = _sft(init, "qa", "agentflow.distill_experts:qa_expert", {"episodes": 600, "max_epochs": 4, "lr": 2e-3,
+    qa = _sft(init, "qa", "agentflow.distill_experts:qa_expert", {"episodes": 600, "max_epochs": 6, "lr": 2e-3,
                                                                    "batch_size": 32})  # fmt: skip
     return calc, qa
 
