@@ -83,7 +83,7 @@ def train_teachers() -> tuple[Path, Path]:
     init = teacher_init()
     calc = _sft(init, "calc", "agentflow.distill_experts:calc_expert", {"episodes": 600, "max_epochs": 3,
                                                                          "lr": 1e-3, "batch_size": 32})  # fmt: skip
-    qa = _sft(init, "qa", "agentflow.distill_experts:qa_expert", {"episodes": 600, "max_epochs": 6, "lr": 2e-3,
+    qa = _sft(init, "qa", "agentflow.distill_experts:qa_expert", {"episodes": 2000, "max_epochs": 8, "lr": 2e-3,
                                                                    "batch_size": 32})  # fmt: skip
     return calc, qa
 
