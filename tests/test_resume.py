@@ -22,7 +22,9 @@ from agentflow.types import Segment, Trajectory
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
-STEPS, B, G = 30, 2, 2  # enough steps that every kill lands before the run ends, even on a fast machine
+STEPS, B, G = 60, 2, 2  # enough steps that every kill lands before the run ends, even on a fast machine
+KILL_JITTER_S = 0.15  # random delay after the target step: a tiny model steps every ~50 ms on a quiet machine, so a
+# delay of up to 1 s once let a first run reach step 23 of 30 and the third run finish before its kill
 
 
 def _traj(gid: str, i: int) -> Trajectory:
@@ -135,7 +137,7 @@ def test_sigkill_trainer_three_times_then_resume_loses_nothing(tmp_path):
         procs.append(p := _start(run_dir, model, tmp_path / "log1.txt", resume=False))
         target = rng.randint(1, 2)
         _wait(f"step {target}", lambda: _steps_logged(run_dir) >= target, p)
-        time.sleep(rng.uniform(0.0, 1.0))
+        time.sleep(rng.uniform(0.0, KILL_JITTER_S))
         _kill_trainer(run_dir, p, tmp_path / "log1.txt")
 
         # 2: in the middle of a checkpoint write (the write is held open by the trainer's fault-injection hook)
@@ -155,7 +157,7 @@ def test_sigkill_trainer_three_times_then_resume_loses_nothing(tmp_path):
         procs.append(p := _start(run_dir, model, tmp_path / "log3.txt", resume=True))
         target = _steps_logged(run_dir) + rng.randint(1, 2)
         _wait(f"{target} metrics lines", lambda: _steps_logged(run_dir) >= target, p)
-        time.sleep(rng.uniform(0.0, 1.0))
+        time.sleep(rng.uniform(0.0, KILL_JITTER_S))
         _kill_trainer(run_dir, p, tmp_path / "log3.txt")
 
         # the last resume runs to the end
