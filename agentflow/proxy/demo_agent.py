@@ -19,6 +19,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from agentflow.chat import parse_reply
 from agentflow.proxy.types import BlackBoxTask
 
 Chat = Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]]
@@ -32,9 +33,10 @@ async def play(messages: list[dict[str, Any]], max_turns: int, chat: Chat, tool:
         reply = await chat(messages)
         calls = reply.get("tool_calls") or []
         if not calls:
-            error = malformed_call(reply.get("content") or "")
+            text = reply.get("content") or ""
+            error = parse_reply(text).error  # the proxy returns a malformed call as text
             if error is None:
-                return reply.get("content") or ""
+                return text
             # As the white-box loop: the model sees the error (as a tool result) and the episode goes on.
             messages.append({"role": "assistant", "content": reply.get("content")})
             messages.append({"role": "tool", "content": f"Error: {error}"})
@@ -46,17 +48,6 @@ async def play(messages: list[dict[str, Any]], max_turns: int, chat: Chat, tool:
             return None
         messages.append({"role": "tool", "tool_call_id": calls[0]["id"], "content": output})
     return None
-
-
-def malformed_call(content: str) -> str | None:
-    """Why a reply's text is a tool call that could not be parsed, or None for a plain answer.
-
-    The proxy returns a malformed call as text; the chat format's own parser names the error, so the message the model
-    gets is the white-box loop's.
-    """
-    from agentflow.chat import parse_reply
-
-    return parse_reply(content).error
 
 
 async def tool_agent(task: BlackBoxTask) -> str | None:

@@ -84,6 +84,7 @@ class BrowserEnv(ScreenEnv):
         self._lease: Lease | None = None
         self._page: Any = None
         self._frame_base: int | None = None  # see _episode_refs
+        self._frames: set[int] = set()
         self._checks: dict[str, bool] = {}
         self._closed = False
 
@@ -143,16 +144,10 @@ class BrowserEnv(ScreenEnv):
 
     # -- tools -------------------------------------------------------------------------------------------------
     async def _element(self, ref: str) -> Any:
-        missing = ActionError(f"no element with ref {ref!r} on this page; refs change when the page changes")
-        loc = self._page.locator(f"aria-ref={self._page_ref(ref)}")
-        try:
-            found = bool(ref) and await loc.count() > 0
-        except Exception as e:  # noqa: BLE001 - a ref of an earlier document names a frame that is gone
-            if "Invalid frame" in str(e):
-                raise missing from e
-            raise
-        if not found:
-            raise missing
+        page_ref = self._page_ref(ref)
+        loc = self._page.locator(f"aria-ref={page_ref}") if page_ref else None
+        if loc is None or await loc.count() == 0:
+            raise ActionError(f"no element with ref {ref!r} on this page; refs change when the page changes")
         return loc
 
     async def _do_click(self, args: dict[str, Any]) -> None:
@@ -207,22 +202,27 @@ class BrowserEnv(ScreenEnv):
     # document), and the page is reused across episodes, so the same task would show different refs in each
     # episode. Observations count documents from the episode's first one instead (``e5``, then ``f1e5`` after a
     # navigation), and actions map them back: same refs for the same task, and a stale ref stays an error.
+    # The documents of the latest observation are the only ones a ref may name (every tool call observes again).
     def _episode_refs(self, snapshot: str) -> str:
+        self._frames = set()
+
         def relative(m: re.Match[str]) -> str:
             seq = int(m.group(1) or 0)
             if self._frame_base is None:
                 self._frame_base = seq
+            self._frames.add(seq)
             rel = seq - self._frame_base
             return f"[ref={f'f{rel}' if rel else ''}e{m.group(2)}]" if rel >= 0 else m.group(0)
 
         return _SNAPSHOT_REF.sub(relative, snapshot)
 
-    def _page_ref(self, ref: str) -> str:
+    def _page_ref(self, ref: str) -> str | None:
+        """Playwright's name for an observation's ref, or None when it names no document of the latest one."""
         m = _ACTION_REF.fullmatch(ref.strip())
         if m is None or self._frame_base is None:
-            return ref
+            return None
         seq = int(m.group(1) or 0) + self._frame_base
-        return f"{f'f{seq}' if seq else ''}e{m.group(2)}"
+        return f"{f'f{seq}' if seq else ''}e{m.group(2)}" if seq in self._frames else None
 
     def _raise_if_crashed(self, cause: BaseException | None) -> None:
         lease = self._lease

@@ -4,8 +4,9 @@ Playwright's own browser download cannot work on our machines, so the pool launc
 (``executable_path``) headless with the flags that keep it off the network. It prefers Debian's
 ``chromium-headless-shell`` (the same engine without the browser UI: Playwright's own default for headless runs),
 which costs about 2.5x less CPU per step here than full ``chromium --headless`` (``docs/decisions.md``), and falls back
-to ``chromium``. Each episode leases a context; at
-release its pages are closed and its cookies, storage and permissions are wiped, and it waits for the next episode.
+to ``chromium``. Each episode leases a context with its one page; at release the page goes back to ``about:blank``
+(the page, and so its renderer process, is kept), cookies, storage and permissions are wiped, and it waits for the
+next episode.
 A lease's route handler refuses every request outside the episode's allowed origin.
 
 A crashed browser is seen through ``Browser.is_connected()``; leases of a dead browser are dropped and the next
@@ -85,7 +86,6 @@ class Lease:
 
     async def forget_history(self) -> None:
         """Drop the page's back/forward entries but the current one ("back" must not reach an earlier episode)."""
-        await self.ensure_page()
         await self.cdp.send("Page.resetNavigationHistory")
 
     def take_blocked(self) -> list[str]:
