@@ -1,7 +1,8 @@
 """A pure-torch Qwen2/Llama decoder (fp32) with a slot-based KV cache, loaded from Hugging Face names.
 
 The model keeps its weights in a flat ``{hf_name: tensor}`` dict (the names a Hugging Face checkpoint and the
-trainer's exporter use), so a weight update is a validated, name-by-name ``copy_``. Three forward paths share one
+trainer's exporter use), so a weight update is a validated, name-by-name ``copy_``. Each layer's q/k/v and gate/up
+entries are row views of one fused tensor, so the forward runs one matmul for each group. Three forward paths share one
 layer loop and differ only in how attention sees keys and values:
 
 - :meth:`DecoderModel.forward_full`: one sequence, no cache (scoring);
@@ -152,6 +153,42 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _fused_storage(config: ModelConfig) -> tuple[dict[str, Tensor], list[tuple[Tensor, Tensor | None, Tensor]]]:
+    """Zeroed fp32 parameters by Hugging Face name, where each layer's q/k/v (weights and biases) and gate/up
+    weights are row views of one tensor; also those fused tensors per layer ``(qkv_w, qkv_b, gate_up_w)``.
+
+    The names stay the unit of loading and of weight updates (a view's ``copy_`` writes into the fused tensor).
+    """
+    shapes = config.param_shapes()
+    params: dict[str, Tensor] = {}
+    fused: list[tuple[Tensor, Tensor | None, Tensor]] = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
+        qkv_rows = sum(shapes[n + ".weight"][0] for n in qkv)
+        qkv_w = _rows_of(params, torch.zeros(qkv_rows, config.hidden_size), [n + ".weight" for n in qkv], shapes)
+        qkv_b = None
+        if config.qkv_bias:
+            qkv_b = _rows_of(params, torch.zeros(qkv_w.shape[0]), [n + ".bias" for n in qkv], shapes)
+        gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        gate_up_w = _rows_of(params, torch.zeros(2 * config.intermediate_size, config.hidden_size), gate_up, shapes)
+        fused.append((qkv_w, qkv_b, gate_up_w))
+    for name, shape in shapes.items():
+        if name not in params:
+            params[name] = torch.zeros(shape)
+    return {name: params[name] for name in shapes}, fused
+
+
+def _rows_of(params: dict[str, Tensor], whole: Tensor, names: list[str], shapes: dict[str, tuple[int, ...]]) -> Tensor:
+    """Register consecutive row blocks of ``whole`` as the parameters ``names``; return ``whole``."""
+    start = 0
+    for name in names:
+        rows = shapes[name][0]
+        params[name] = whole[start : start + rows]
+        start += rows
+    return whole
+
+
 class DecoderModel:
     """A Qwen2/Llama causal LM over a flat dict of fp32 tensors named as in Hugging Face checkpoints."""
 
@@ -160,9 +197,8 @@ class DecoderModel:
         problem = validate_weights(config, weights)
         if problem:
             raise ValueError(problem)
-        self.params: dict[str, Tensor] = {
-            name: weights[name].detach().to(torch.float32).clone().contiguous() for name in config.param_shapes()
-        }
+        self.params, self._fused = _fused_storage(config)
+        self.load_(weights)
         self._act = _ACTIVATIONS[config.hidden_act]
         hd = config.head_dim
         self._inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
@@ -180,7 +216,7 @@ class DecoderModel:
         """Copy already validated tensors into this model's own storage (no storage is shared with the input)."""
         with torch.no_grad():
             for name, dst in self.params.items():
-                dst.copy_(weights[name])
+                dst.copy_(weights[name].detach())
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
@@ -190,26 +226,22 @@ class DecoderModel:
     def _layers(self, ids: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
         """Run every decoder layer on ``N`` tokens; return final-normed hidden states ``[N, hidden]``."""
         c = self.config
-        n = ids.shape[0]
+        n, nq, nkv = ids.shape[0], c.num_heads, c.num_kv_heads
         x = F.embedding(ids, self.params["model.embed_tokens.weight"])
         cos, sin = self._rope(positions)
-        for i in range(c.num_layers):
+        for i, (qkv_w, qkv_b, gate_up_w) in enumerate(self._fused):
             p = f"model.layers.{i}."
             h = rms_norm(x, self.params[p + "input_layernorm.weight"], c.rms_norm_eps)
-            q = F.linear(h, self.params[p + "self_attn.q_proj.weight"], self._p(p + "self_attn.q_proj.bias"))
-            k = F.linear(h, self.params[p + "self_attn.k_proj.weight"], self._p(p + "self_attn.k_proj.bias"))
-            v = F.linear(h, self.params[p + "self_attn.v_proj.weight"], self._p(p + "self_attn.v_proj.bias"))
-            q = q.view(n, c.num_heads, c.head_dim)
-            k = k.view(n, c.num_kv_heads, c.head_dim)
-            v = v.view(n, c.num_kv_heads, c.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            a = attend(i, q, k, v)
+            # q, k and v in one matmul, and RoPE on q and k together: at decode batch sizes a step is mostly
+            # per-op overhead, so fewer, larger ops are what makes it faster
+            qkv = F.linear(h, qkv_w, qkv_b).view(n, nq + 2 * nkv, c.head_dim)
+            qk = qkv[:, : nq + nkv]
+            qk = qk * cos + _rotate_half(qk) * sin
+            a = attend(i, qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :])
             x = x + F.linear(a, self.params[p + "self_attn.o_proj.weight"], self._p(p + "self_attn.o_proj.bias"))
             h = rms_norm(x, self.params[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate = self._act(F.linear(h, self.params[p + "mlp.gate_proj.weight"]))
-            up = F.linear(h, self.params[p + "mlp.up_proj.weight"])
-            x = x + F.linear(gate * up, self.params[p + "mlp.down_proj.weight"])
+            gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
+            x = x + F.linear(self._act(gate) * up, self.params[p + "mlp.down_proj.weight"])
         return rms_norm(x, self.params["model.norm.weight"], c.rms_norm_eps)
 
     @torch.inference_mode()
@@ -304,28 +336,56 @@ class DecoderModel:
         # to position 0 only, so no row is fully masked) and their outputs are dropped. A sparse range falls back
         # to the gather.
         span = hi - lo <= 2 * b
+        # the slots are exactly lo..hi-1 in order: queries need no scatter, outputs no gather
+        dense = span and hi - lo == b and torch.equal(slots, torch.arange(lo, hi))
         rows = slots - lo if span else torch.arange(b)
         n_rows = hi - lo if span else b
-        row_pos = torch.zeros(n_rows, dtype=torch.long)
-        row_pos[rows] = positions
-        mask = (torch.arange(length)[None, :] <= row_pos[:, None])[:, None, None, :]
+        bias = None  # additive mask [n_rows, 1, 1, length]; None when every row sees every key (a static batch)
+        if not (dense and int(positions.min()) == length - 1):
+            row_pos = torch.zeros(n_rows, dtype=torch.long)
+            row_pos[rows] = positions
+            hidden_keys = torch.arange(length)[None, :] > row_pos[:, None]
+            bias = torch.zeros(hidden_keys.shape).masked_fill_(hidden_keys, float("-inf"))[:, None, None, :]
+        # Flat row of each (slot, kv head, position) in a layer's key (or value) cache viewed as [-1, head_dim]:
+        # one index_copy_ per write instead of advanced-index assignment.
+        kvh, max_len = cache.data.shape[3], cache.data.shape[4]
+        flat = ((slots * kvh)[:, None] + torch.arange(kvh)[None, :]) * max_len + positions[:, None]
+        flat = flat.reshape(-1)
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             kc, vc = cache.data[layer, 0], cache.data[layer, 1]
-            kc[slots, :, positions] = k
-            vc[slots, :, positions] = v
-            if span:
+            kc.view(-1, kc.shape[-1]).index_copy_(0, flat, k.reshape(-1, k.shape[-1]))
+            vc.view(-1, vc.shape[-1]).index_copy_(0, flat, v.reshape(-1, v.shape[-1]))
+            if dense:
+                keys, values, queries = kc[lo:hi, :, :length], vc[lo:hi, :, :length], q
+            elif span:
                 keys, values = kc[lo:hi, :, :length], vc[lo:hi, :, :length]
                 queries = q.new_zeros((n_rows, *q.shape[1:]))
                 queries[rows] = q
             else:  # index_select on the sliced view: ~8x faster than advanced indexing on CPU
                 keys, values = kc[:, :, :length].index_select(0, slots), vc[:, :, :length].index_select(0, slots)
                 queries = q
-            out = F.scaled_dot_product_attention(queries[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True)
-            return out[rows].reshape(b, -1)
+            out = _decode_attention(queries, keys, values, bias)
+            return (out if dense or not span else out[rows]).reshape(b, -1)
 
         hidden = self._layers(tokens, positions, attend)
         return F.linear(hidden, self.lm_head)
+
+
+def _decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
+    """Attention of one query per row: ``q [R, heads, hd]`` over ``keys``/``values`` ``[R, kv_heads, L, hd]``.
+
+    Two batched matmuls and a softmax, grouped-query heads sharing their key/value head. With a single query per
+    row, torch's CPU flash-attention kernel spent ~2x longer than this on per-(row, head) set-up at the lengths of
+    our episodes (measured in benchmarks/engine.py; both agree within 1e-6).
+    """
+    rows, heads, hd = q.shape
+    kv_heads = keys.shape[1]
+    scores = torch.matmul(q.view(rows, kv_heads, heads // kv_heads, hd), keys.transpose(-1, -2))
+    scores.mul_(hd**-0.5)
+    if bias is not None:
+        scores.add_(bias)
+    return torch.matmul(torch.softmax(scores, dim=-1), values).view(rows, heads, hd)
 
 
 def validate_weights(config: ModelConfig, weights: dict[str, Any], check_finite: bool = True) -> str | None:

@@ -12,8 +12,10 @@ from agentflow.types import SamplingParams
 
 def behaviour_logprobs(logits: Tensor, temperatures: Sequence[float]) -> Tensor:
     """``log_softmax(logits / T)`` per row ``[B, V]``; a temperature of 0 (greedy) uses ``T = 1``."""
-    temps = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype)
-    return torch.log_softmax(logits / temps[:, None], dim=-1)
+    temps = [t if t > 0 else 1.0 for t in temperatures]
+    if all(t == 1.0 for t in temps):  # greedy and T=1 rows: no division (a full pass over [B, V] per step)
+        return torch.log_softmax(logits, dim=-1)
+    return torch.log_softmax(logits / torch.tensor(temps, dtype=logits.dtype)[:, None], dim=-1)
 
 
 def truncate(logp: Tensor, top_k: int, top_p: float) -> Tensor:
