@@ -95,13 +95,24 @@ def test_forward_paths_match_hf(hf_pair) -> None:
         model.prefill(cache, 0, ids, 20)
 
 
-@pytest.mark.parametrize("slots", [[4, 0, 2], [0, 7]], ids=["slot-range-with-holes", "sparse-gather"])
-def test_decode_over_fragmented_slots_matches_full_forward(hf_pair, slots: list[int]) -> None:
-    """Decoding slots out of order, with idle slots between them (view path) or far apart (gather path)."""
+@pytest.mark.parametrize(
+    ("slots", "lengths"),
+    [
+        ([4, 0, 2], (9, 14, 6)),
+        ([0, 7], (9, 14)),
+        ([2, 3, 4], (11, 11, 11)),
+        ([3, 2, 4], (11, 11, 11)),
+        ([1, 0], (5, 9)),
+    ],
+    ids=["slot-range-with-holes", "sparse-gather", "dense-static-batch", "contiguous-out-of-order", "dense-masked"],
+)
+def test_decode_over_fragmented_slots_matches_full_forward(hf_pair, slots: list[int], lengths: tuple[int, ...]) -> None:
+    """Decoding slots out of order, with idle slots between them (view path), far apart (gather path), or
+    exactly a contiguous range (no scatter; no mask when every row is at the same position)."""
     _, path = hf_pair
     model = load_hf_dir(path)
     gen = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(0, 128, (n,), generator=gen) for n in (9, 14, 6)][: len(slots)]
+    seqs = [torch.randint(0, 128, (n,), generator=gen) for n in lengths]
     cache = KVCache(model.config, max_slots=8, max_len=32)
     cache.data.normal_(generator=gen)  # stale keys in idle slots must not leak into anyone's attention
     for slot, seq in zip(slots, seqs, strict=True):
