@@ -143,7 +143,7 @@ class MegatronTrainer:
         metrics.update(
             samples=len(samples),
             optimizer_steps=updates,
-            adv_abs_mean=float(np.mean([abs(a[0]) for a in plan.advantages])),
+            adv_abs_mean=_adv_abs_mean(plan.advantages, samples),
             train_s=time.perf_counter() - t0,
         )
         return metrics
@@ -319,3 +319,14 @@ def _split(n: int, parts: int) -> list[list[int]]:
     """Indices 0..n-1 in ``parts`` contiguous, near-equal chunks (empty chunks dropped)."""
     size = -(-n // parts)
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+
+def _adv_abs_mean(advantages: list[list[float]], samples: list[Sample]) -> float:
+    """Mean |advantage| over the trained (loss-mask) tokens: per-token advantages (turn credit, a distillation
+    reward) vary along a row, so a row's first entry (a prompt token's 0) says nothing."""
+    total, n = 0.0, 0
+    for row, s in zip(advantages, samples, strict=True):
+        for a, m in zip(row, s.loss_mask, strict=True):
+            if m:
+                total, n = total + abs(a), n + 1
+    return total / n if n else 0.0

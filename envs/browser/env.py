@@ -183,7 +183,7 @@ class BrowserEnv(ScreenEnv):
         try:
             snapshot = await page.aria_snapshot(mode="ai", timeout=ACTION_TIMEOUT_MS)
             title = await page.title()
-            self.add_image(await page.screenshot(type="png", animations="disabled", caret="hide"))
+            self.add_image(await lease.screenshot())
         except Exception as e:  # noqa: BLE001 - see atool
             self._raise_if_crashed(e)
             raise EnvError(f"could not observe the page: {_first_line(e)}") from e

@@ -15,6 +15,7 @@ A crashed browser is seen through ``Browser.is_connected()``; leases of a dead b
 
 from __future__ import annotations
 
+import base64
 import os
 import threading
 import uuid
@@ -73,7 +74,7 @@ class Lease:
     """The page's renderer crashed (set by its ``crash`` event); a crashed lease is closed, not reused."""
 
     cdp: Any = None
-    """A CDP session on :attr:`page` (history and storage resets)."""
+    """A CDP session on :attr:`page` (history and storage resets, screenshots)."""
 
     async def ensure_page(self) -> Any:
         """The lease's page, made on first use."""
@@ -87,6 +88,16 @@ class Lease:
     async def forget_history(self) -> None:
         """Drop the page's back/forward entries but the current one ("back" must not reach an earlier episode)."""
         await self.cdp.send("Page.resetNavigationHistory")
+
+    async def screenshot(self) -> bytes:
+        """A PNG of the viewport, straight from CDP with speed-optimised encoding.
+
+        Playwright's ``page.screenshot`` adds round trips around the same capture (style injection to stop
+        animations and hide the caret, font readiness); through the one Node driver and browser process that every
+        env shares, those round trips were what 4 concurrent episodes queued on (docs/notes/issue-11.md).
+        """
+        shot = await self.cdp.send("Page.captureScreenshot", {"format": "png", "optimizeForSpeed": True})
+        return base64.b64decode(shot["data"])
 
     def take_blocked(self) -> list[str]:
         """The refused URLs since the last call."""
