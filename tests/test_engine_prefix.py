@@ -123,3 +123,20 @@ def test_release_and_resume_memory(qwen_dir) -> None:
         eng.resume_memory()
         res = fut.result(timeout=30)
         assert res.output_ids == reference.output_ids and eng.stats()["kv_cache_bytes"] > 0
+
+
+def test_slots_stay_compact_and_a_coincidental_prefix_takes_no_cached_slot(qwen_dir) -> None:
+    """New requests take the lowest-numbered empty slots (a decode step attends over the slot range), also after a
+    flush; a one-token prefix match does not evict a cached sequence."""
+    sp = SamplingParams(temperature=0.0, max_new_tokens=2)
+    with EmbeddedEngine(qwen_dir, max_slots=8, max_len=64) as eng:
+        eng.generate_sync([5, 6, 7, 8, 9], sp)  # cached in slot 0
+        eng.flush_cache()
+        first = [11, 12, 13, 14, 15, 16]
+        eng.generate_sync(first, sp)  # after the flush every slot is empty: slot 0 again
+        assert [s for s, ids in eng._idle.items() if ids] == [0]
+        eng.generate_sync([11, 40, 41], sp)  # shares 1 token with slot 0's sequence: takes empty slot 1
+        cached = {s: ids[:3] for s, ids in eng._idle.items() if ids}
+        assert cached == {0: [11, 12, 13], 1: [11, 40, 41]}
+        res = eng.generate_sync([*first, 20, 21], sp)  # a real prefix hit reuses slot 0
+        assert res.cached_tokens == len(first)

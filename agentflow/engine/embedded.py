@@ -71,6 +71,12 @@ class _Request:
         )
 
 
+MIN_PREFIX_HIT = 4
+"""Shortest cached prefix worth taking a slot for. A match of a token or two is a coincidence that saves almost no
+prefill, and taking that slot would evict its cached sequence and scatter the batch over the slot range (the decode
+step attends over the range ``[min slot, max slot]``)."""
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two id lists."""
     n = min(len(a), len(b))
@@ -416,13 +422,22 @@ class EmbeddedEngine:
             self._decode(active)
 
     def _admit(self, req: _Request) -> None:
-        """Give ``req`` the idle slot whose cached ids share the longest prefix with it (else the LRU one)."""
+        """Give ``req`` the idle slot whose cached ids share the longest prefix with it (at least
+        :data:`MIN_PREFIX_HIT` tokens), else the lowest-numbered empty slot, else the least recently used one.
+
+        Lowest-numbered: a decode step attends over the slot range of the running requests, so a compact range
+        (no idle slots between them, no gather) is what keeps a step cheap; after a flush every slot is empty and
+        taking them in LRU order scattered a batch of 32 over 64 slots (1.2x HF at batch 32 instead of 1.6x).
+        """
         seq = req.prompt + req.output
         best, hit = next(iter(self._idle)), 0
+        empty = min((slot for slot, ids in self._idle.items() if not ids), default=None)
+        if empty is not None:
+            best = empty
         if self.prefix_cache:
             for slot, ids in self._idle.items():
                 n = common_prefix(ids, seq) if ids else 0
-                if n > hit:
+                if n > hit and n >= MIN_PREFIX_HIT:
                     best, hit = slot, n
         del self._idle[best]
         req.slot = best
