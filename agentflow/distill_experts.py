@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from envs.core import answer_action, tool_action
-from envs.retrieval import expert_action as retrieval_expert
+from envs.shell import expert_action as shell_expert_action
 
 
 def calc_expert(env: Any, history: list[tuple[str, str]]) -> str:
@@ -20,8 +20,6 @@ def calc_expert(env: Any, history: list[tuple[str, str]]) -> str:
     return tool_action("calc", {"expression": task.expression})
 
 
-def qa_expert(env: Any, history: list[tuple[str, str]]) -> str:
-    """envs.retrieval's expert, asking for one document per search (the first hit is the right one on the
-    ``single_hop`` task set): shorter traces, cheaper to train on two cores."""
-    action = retrieval_expert(env, history)
-    return action.replace('"k": 3', '"k": 1')
+def shell_expert(env: Any, history: list[tuple[str, str]]) -> str:
+    """envs.shell's expert: the task's reference command, then its first output line (or "done")."""
+    return shell_expert_action(env, history)
