@@ -226,6 +226,22 @@ class TeacherModelConfig(Section):
     student's before the job starts."""
 
 
+class SeqKDConfig(Section):
+    episodes: int = Field(0, ge=0)
+    """Episodes the teachers play (drawn from the data mixture, each played by its source's teacher) for the student
+    to imitate before on-policy distillation; 0: no sequence-level KD. Counts toward the job's samples."""
+    epochs: int = Field(3, ge=1)
+    """Upper bound on passes over those episodes (stops early when the held-out 10% stops improving)."""
+    lr: float = Field(1e-3, gt=0)
+    """Learning rate of the imitation phase."""
+    batch_size: int = Field(32, ge=1)
+    """Sequences per imitation step."""
+    temperature: float = Field(1.0, gt=0)
+    """Teachers' sampling temperature (1: the student imitates the teachers' own distribution)."""
+    threads: int = Field(2, ge=1)
+    """Torch threads of the imitation trainer (nothing else runs during this phase, so it may use every core)."""
+
+
 class TeachersConfig(Section):
     models: list[TeacherModelConfig] = Field(default_factory=list)
     """The teachers; none: no distillation."""
@@ -250,6 +266,9 @@ class TeachersConfig(Section):
     """Weight of the reverse KL to the teacher as a loss term (GKD style)."""
     loss_estimator: Literal["k1", "k2", "k3", "topk"] = "topk"
     """Estimator of that loss term: sampled-token k1/k2/k3, or the exact KL over the teacher's top-k tokens."""
+    seq_kd: SeqKDConfig = Field(default_factory=SeqKDConfig)
+    """Off-policy phase first: the student imitates episodes the teachers play (GKD's teacher-generated data), which
+    teaches an env the student has never seen its format; on-policy distillation follows."""
 
 
 class RayConfig(Section):

@@ -202,10 +202,38 @@ def run_distill(cfg: JobConfig, log=print) -> dict[str, Any]:
         from agentflow.sft import run_sft
 
         policy_dir = run_sft(cfg, student, run_dir.parent / "cache", log)
+    seq_kd = None
+    if cfg.teachers.seq_kd.episodes:
+        from agentflow.seq_kd import run_seq_kd
+
+        start = asyncio.run(evaluate_dir(cfg, policy_dir))  # the student as it was, before imitating anyone
+        log(f"before seq-KD: {json.dumps({k: v['success'] for k, v in start.items()})}")
+        policy_dir, seq_kd = run_seq_kd(cfg, policy_dir, router, run_dir / "seq_kd", log)
     summary = asyncio.run(_loop(cfg, policy_dir, run_dir, log, router))
+    if seq_kd is not None:
+        for name, row in summary["per_source"].items():
+            row["after_seq_kd"] = row["before"]
+            row["before"] = start[name]["success"]
+        summary["per_source_detail"]["before_seq_kd"] = start
+        summary["seq_kd"] = seq_kd
+    summary["samples"] = summary["trajectories_trained"] + (seq_kd["episodes"] if seq_kd else 0)
     summary["wall_s"] = time.monotonic() - t_start
     dump_json(run_dir / "summary.json", summary)
     return summary
+
+
+async def evaluate_dir(cfg: JobConfig, model_dir: Path) -> dict[str, dict[str, Any]]:
+    """Held-out success per data source of the model in ``model_dir`` (its own engine, closed afterwards)."""
+    from agentflow.engine.factory import make_engine
+
+    engine = make_engine(cfg.engine, model_dir, seed=cfg.run.seed)
+    pool = EnvPool(sources(cfg)[0].env_id, dict(sources(cfg)[0].env_kwargs))
+    try:
+        rollouts = Rollouts(engine, ChatTokenizer(model_dir), pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
+        return await evaluate_sources(rollouts, cfg)
+    finally:
+        engine.close()
+        pool.close()
 
 
 def run_rl_per_source(cfg: JobConfig, log=print) -> dict[str, Any]:
@@ -218,6 +246,7 @@ def run_rl_per_source(cfg: JobConfig, log=print) -> dict[str, Any]:
     run_dir = Path(cfg.run.dir)
     save_config(cfg, run_dir)
     summary = asyncio.run(_loop(cfg, policy_dir, run_dir, log, None))
+    summary["samples"] = summary["trajectories_trained"]
     summary["wall_s"] = time.monotonic() - t_start
     dump_json(run_dir / "summary.json", summary)
     return summary

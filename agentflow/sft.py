@@ -116,7 +116,8 @@ def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str
     )
     group = make_trainer_group(base_dir, settings, tp=cfg.trainer.tp, dp=cfg.trainer.dp)
     try:
-        report = _epochs(group, train, val, cfg, out, log)
+        s = cfg.sft
+        report = train_epochs(group, train, val, s.max_epochs, s.batch_size, s.patience, cfg.trainer.seed, out, log)
     finally:
         group.close()
     report["expert_success_train"] = expert_success
@@ -124,28 +125,40 @@ def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str
     return out
 
 
-def _epochs(group: Any, train: list[Sample], val: list[Sample], cfg: JobConfig, out: Path, log) -> dict[str, Any]:
+def train_epochs(
+    group: Any,
+    train: list[Sample],
+    val: list[Sample],
+    max_epochs: int,
+    batch_size: int,
+    patience: int,
+    seed: int,
+    out: Path,
+    log: Callable[[str], None],
+    what: str = "SFT",
+) -> dict[str, Any]:
+    """Epochs of the NLL loss on ``train``; the weights with the best ``val`` loss are saved to ``out``."""
     import random
 
-    rng = random.Random(cfg.trainer.seed)
+    rng = random.Random(seed)
     best, bad, curve = float("inf"), 0, []
     t0 = time.perf_counter()
     curve.append({"epoch": 0, "val_loss": group.call("eval_nll", val), "train_loss": None})
-    for epoch in range(1, cfg.sft.max_epochs + 1):
+    for epoch in range(1, max_epochs + 1):
         order = list(range(len(train)))
         rng.shuffle(order)
         losses = []
-        for i in range(0, len(order), cfg.sft.batch_size):
-            batch = [train[j] for j in order[i : i + cfg.sft.batch_size]]
+        for i in range(0, len(order), batch_size):
+            batch = [train[j] for j in order[i : i + batch_size]]
             losses.append(group.call("train_step", batch, "sft")["loss"])
         val_loss = group.call("eval_nll", val)
         curve.append({"epoch": epoch, "train_loss": sum(losses) / len(losses), "val_loss": val_loss})
-        log(f"SFT epoch {epoch}: train {curve[-1]['train_loss']:.4f} val {val_loss:.4f}")
+        log(f"{what} epoch {epoch}: train {curve[-1]['train_loss']:.4f} val {val_loss:.4f}")
         if val_loss < best - 1e-4:
             best, bad = val_loss, 0
             group.call("save_hf", str(out))
         else:
             bad += 1
-            if bad >= cfg.sft.patience:
+            if bad >= patience:
                 break
     return {"curve": curve, "best_val_loss": best, "epochs": len(curve) - 1, "wall_s": time.perf_counter() - t0}

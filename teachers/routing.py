@@ -75,13 +75,19 @@ class Router:
         r = self.route(tags)
         if r.mix == "probs" or len(r.weights) == 1:
             return dict(r.weights)
+        return {self.pick(key, tags): 1.0}
+
+    def pick(self, key: str, tags: Sequence[str]) -> str:
+        """One teacher of the route, drawn by weight from a stable hash of ``key`` (whatever the mix mode): who
+        generates sequence ``key`` when teachers, not the student, play it."""
+        r = self.route(tags)
         u = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
         acc = 0.0
         for name, w in r.weights:
             acc += w
             if u < acc:
-                return {name: 1.0}
-        return {r.weights[-1][0]: 1.0}
+                return name
+        return r.weights[-1][0]
 
     def check_sources(self, sources: Mapping[str, Sequence[str]]) -> None:
         """Every data source (name -> tags) must have a route."""

@@ -52,8 +52,9 @@ def test_distill_reward_is_teacher_minus_behaviour_on_model_tokens():
     assert plan.advantages[0] == [0.0] * 4 + [2.0 * (-0.5 - -1.0)] * 6  # k1: teacher - behaviour, masked
     with_env = plan_advantages([s, other], LossSettings(distill_reward_coef=2.0))
     assert with_env.advantages[0][5] == pytest.approx(1.0 + 1.0)  # GRPO advantage (+1) plus the teacher reward
-    k3 = plan_advantages([s, other], LossSettings(env_reward_coef=0.0, distill_reward_coef=1.0,
-                                                  distill_reward_estimator="k3"))  # fmt: skip
+    k3 = plan_advantages(
+        [s, other], LossSettings(env_reward_coef=0.0, distill_reward_coef=1.0, distill_reward_estimator="k3")
+    )
     d = -1.0 - -0.5
     assert k3.advantages[0][5] == pytest.approx(-(torch.exp(torch.tensor(-d)) - 1 + d).item())
 
@@ -240,3 +241,99 @@ def test_distill_job_end_to_end_on_a_tiny_model(pair, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all("train/teacher_k1" in r and "train/distill_kl" in r for r in rows)
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+def _seq_kd_config(student: Path, teacher: Path, run_dir: Path, extra: list[str] = ()):  # type: ignore[assignment]
+    from agentflow.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"model.path={student}",
+            "model.init_if_missing=false",
+            'data.sources=[{"env_id": "agentflow/Calc-v0", "name": "add", "tags": ["a"], '
+            '"env_kwargs": {"task_types": ["add"]}}, {"env_id": "agentflow/Calc-v0", "name": "mul", "tags": ["m"], '
+            '"env_kwargs": {"task_types": ["mul"]}}]',
+            "sft.enabled=false",
+            "trainer.drop_uniform_groups=false",
+            "trainer.micro_batch_tokens=2048",
+            f"run.dir={run_dir}",
+            "run.progress=false",
+            "rollout.max_new_tokens=12",
+            "engine.max_len=384",
+            "engine.max_slots=8",
+            f'teachers.models=[{{"name": "t", "path": "{teacher}"}}, {{"name": "s", "path": "{student}"}}]',
+            'teachers.routes={"a": "t", "m": "s"}',
+            "teachers.seq_kd.episodes=20",
+            "teachers.seq_kd.epochs=2",
+            "teachers.seq_kd.batch_size=8",
+            "teachers.seq_kd.threads=1",
+            *extra,
+        ],
+    )
+
+
+def test_seq_kd_draws_are_played_by_their_sources_teacher(pair, tmp_path):
+    from agentflow.seq_kd import assign_draws
+
+    student, teacher = pair
+    cfg = _seq_kd_config(student, teacher, tmp_path / "run")
+    router = Router(
+        [TeacherSpec("t", path=str(teacher)), TeacherSpec("s", path=str(student))], parse_routes({"a": "t", "m": "s"})
+    )
+    plan = assign_draws(cfg, router)
+    indices = sorted(i for pairs in plan.values() for i, _ in pairs)
+    assert indices == list(range(20))  # every draw once
+    assert {d.source.name for _, d in plan["t"]} == {"add"} and {d.source.name for _, d in plan["s"]} == {"mul"}
+    # a mixed route: each episode is played by one teacher, drawn by weight, the same one every time
+    mixed = Router(
+        [TeacherSpec("t", path=str(teacher)), TeacherSpec("s", path=str(student))],
+        parse_routes({"default": {"t": 0.5, "s": 0.5}}),
+    )
+    cfg = _seq_kd_config(student, teacher, tmp_path / "run", ["teachers.seq_kd.episodes=200"])
+    first, again = assign_draws(cfg, mixed), assign_draws(cfg, mixed)
+    assert {k: [i for i, _ in v] for k, v in first.items()} == {k: [i for i, _ in v] for k, v in again.items()}
+    assert 60 < len(first["t"]) < 140 and len(first["t"]) + len(first["s"]) == 200
+
+
+def test_seq_kd_episodes_carry_the_teachers_tokens_and_log_probs(pair, tmp_path):
+    """The imitation data is the teacher's: its recorded log-probs are the teacher's, not the student's."""
+    from agentflow.seq_kd import split_samples, teacher_episodes
+
+    student, teacher = pair
+    cfg = _seq_kd_config(student, teacher, tmp_path / "run", ['teachers.routes={"a": "t", "m": "t"}'])
+    router = Router(
+        [TeacherSpec("t", path=str(teacher)), TeacherSpec("s", path=str(student))], parse_routes({"a": "t", "m": "t"})
+    )
+    groups, stats = teacher_episodes(cfg, router, log=lambda *_: None)
+    assert len(groups) == 20 and stats["t"]["episodes"] == 20 and set(stats) == {"t"}
+    gaps = {"teacher": 0.0, "student": 0.0}
+    for name, path in (("teacher", teacher), ("student", student)):
+        scorer = EngineScorer(str(path))
+        try:
+            for g in groups[:4]:
+                seg = g.trajectories[0].segments[0]
+                got = scorer.score(seg.token_ids, 1).logprobs
+                for pos, (m, lp) in enumerate(zip(seg.loss_mask, seg.logprobs, strict=True)):
+                    if m:
+                        gaps[name] = max(gaps[name], abs(got[pos - 1] - lp))
+        finally:
+            scorer.close()
+    assert gaps["teacher"] < 1e-4 < gaps["student"], gaps
+    train, val = split_samples(groups)
+    assert len(val) == 2 and len(train) == 18  # every 10th episode held out
+
+
+@pytest.mark.slow
+def test_distill_job_with_seq_kd_imitates_then_distills(pair, tmp_path):
+    from agentflow.distill import run_distill
+
+    student, teacher = pair
+    extra = ["run.steps=1", "store.batch_groups=2", "rollout.group_size=2", "eval.episodes=2"]
+    summary = run_distill(_seq_kd_config(student, teacher, tmp_path / "run", extra), log=lambda *_: None)
+    report = summary["seq_kd"]
+    assert report["episodes"] == 20 and set(report["teachers"]) == {"t", "s"}
+    assert report["curve"][-1]["val_loss"] < report["curve"][0]["val_loss"]  # the student moved toward them
+    assert summary["policy_dir"] == str(tmp_path / "run" / "seq_kd")
+    assert summary["samples"] == 20 + summary["trajectories_trained"]
+    assert all({"before", "after_seq_kd", "after"} <= set(row) for row in summary["per_source"].values())

@@ -1,0 +1,123 @@
+"""Sequence-level KD: before on-policy distillation, the student imitates episodes its teachers play.
+
+On-policy distillation scores the student's own samples. On an env the student has never seen those samples are
+format errors from the first token (a shell-naive student closes ``<tool_call>`` at once), and a reverse KL on them
+teaches the format slowly (docs/notes/issue-10.md). GKD mixes in teacher-generated sequences for that reason; here
+they come first, as a short imitation phase: each draw of the data mixture is played by its source's teacher (at
+``teachers.seq_kd.temperature``, one teacher loaded at a time), the student is trained on the teachers' tokens with
+the NLL loss, and the on-policy phase starts from the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agentflow.chat import ChatTokenizer
+from agentflow.config import JobConfig
+from agentflow.controller import data_mixture, to_samples
+from agentflow.rollout import EnvPool, Rollouts
+from agentflow.types import Group, SamplingParams, Trajectory
+from envs.tasks import Draw
+from teachers.routing import Router
+from trainer.types import Sample, TrainerSettings
+
+VAL_FRACTION = 0.1
+
+
+def assign_draws(cfg: JobConfig, router: Router) -> dict[str, list[tuple[int, Draw]]]:
+    """Teacher name -> the (index, draw) pairs it plays: draw ``i`` of the job's mixture goes to its source's
+    teacher (one drawn by weight, stably per index, when the route mixes several)."""
+    mixture = data_mixture(cfg)
+    out: dict[str, list[tuple[int, Draw]]] = defaultdict(list)
+    for i in range(cfg.teachers.seq_kd.episodes):
+        draw = mixture.draw(i, "train")
+        tags = [*draw.source.tags, draw.source.name]
+        out[router.pick(f"seq_kd/{i}", tags)].append((i, draw))
+    return dict(out)
+
+
+async def _play(rollouts: Rollouts, pairs: list[tuple[int, Draw]], sampling: SamplingParams) -> list[Group]:
+    return list(await asyncio.gather(*(rollouts.play_group(f"kd{i}", draw, 1, sampling) for i, draw in pairs)))
+
+
+def teacher_episodes(
+    cfg: JobConfig, router: Router, log: Callable[[str], None]
+) -> tuple[list[Group], dict[str, dict[str, Any]]]:
+    """Every seq-KD episode, played by its teacher; one teacher engine exists at a time."""
+    from agentflow.engine.embedded import EmbeddedEngine
+
+    specs = {t.name: t for t in cfg.teachers.models}
+    sampling = SamplingParams(temperature=cfg.teachers.seq_kd.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
+    groups: list[Group] = []
+    stats: dict[str, dict[str, Any]] = {}
+    for name, pairs in sorted(assign_draws(cfg, router).items()):
+        spec = specs[name]
+        if spec.path is None:
+            raise ValueError(f"teachers.seq_kd: teacher {name!r} is a server ({spec.url}); seq-KD needs a model path")
+        t0 = time.monotonic()
+        engine = EmbeddedEngine(spec.path, cfg.engine.max_slots, cfg.engine.max_len, seed=cfg.run.seed)
+        pool = EnvPool(pairs[0][1].source.env_id, dict(pairs[0][1].source.env_kwargs))
+        try:
+            rollouts = Rollouts(engine, ChatTokenizer(spec.path), pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
+            played = asyncio.run(_play(rollouts, pairs, sampling))
+        finally:
+            engine.close()
+            pool.close()
+        groups += played
+        stats[name] = _teacher_stats([t for g in played for t in g.trajectories], time.monotonic() - t0)
+        log(f"seq-KD: teacher {name} played {len(pairs)} episodes: {json.dumps(stats[name])}")
+    groups.sort(key=lambda g: int(g.id[2:]))
+    return groups, stats
+
+
+def _teacher_stats(trajs: list[Trajectory], wall_s: float) -> dict[str, Any]:
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for t in trajs:
+        by_source[t.data_source].append(1.0 if t.info.get("success") else 0.0)
+    return {
+        "episodes": len(trajs),
+        "errors": sum(t.status == "error" for t in trajs),
+        "success": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_source.items())},
+        "wall_s": round(wall_s, 1),
+    }
+
+
+def split_samples(groups: list[Group]) -> tuple[list[Sample], list[Sample]]:
+    """Trainable rows of the teachers' episodes; every 10th episode is held out for early stopping."""
+    every = round(1 / VAL_FRACTION)
+    train = to_samples([g for k, g in enumerate(groups) if k % every])
+    val = to_samples([g for k, g in enumerate(groups) if k % every == 0])
+    return train, val
+
+
+def run_seq_kd(
+    cfg: JobConfig, student_dir: Path, router: Router, out: Path, log: Callable[[str], None] = print
+) -> tuple[Path, dict[str, Any]]:
+    """The imitation phase: returns the imitating student's directory (``out``) and a report."""
+    from agentflow.sft import train_epochs
+    from trainer.launcher import make_trainer_group
+
+    kd = cfg.teachers.seq_kd
+    t0 = time.monotonic()
+    groups, stats = teacher_episodes(cfg, router, log)
+    train, val = split_samples(groups)
+    steps = kd.epochs * -(-len(train) // kd.batch_size)
+    warm = min(20, steps // 10)
+    settings = TrainerSettings(
+        lr=kd.lr, seed=cfg.trainer.seed, threads=kd.threads, warmup_steps=warm, decay_steps=steps - warm
+    )
+    group = make_trainer_group(student_dir, settings, tp=cfg.trainer.tp, dp=cfg.trainer.dp)
+    try:
+        report = train_epochs(group, train, val, kd.epochs, kd.batch_size, 1, cfg.trainer.seed, out, log, "seq-KD")
+    finally:
+        group.close()
+    report.update(teachers=stats, train_rows=len(train), val_rows=len(val), episodes=len(groups))
+    report["total_wall_s"] = round(time.monotonic() - t0, 1)
+    (out / "seq_kd_report.json").write_text(json.dumps(report, indent=2))
+    return out, report
