@@ -9,9 +9,11 @@ Stages (each cached in ``runs/distill``, run ``python -m agentflow.distill_demo`
    the student by construction. (The second env was the retrieval env's single-hop set until session 15: its world
    is a fixed collection of a few hundred invented names, and a 3M-parameter teacher memorised the training names
    instead of learning to copy the asked one, scoring 0 on held-out questions; docs/notes/issue-10.md.)
-3. **distill**: ``agentflow distill configs/distill.yaml``: on-policy distillation from both teachers, each data
-   source routed to its teacher, at most one teacher resident.
-4. **rl**: the same job without teachers (GRPO on the environment reward alone), same number of samples.
+3. **distill**: ``agentflow distill configs/distill.yaml``: first sequence-level KD (the student imitates episodes
+   each source's teacher plays), then on-policy distillation from both teachers, each data source routed to its
+   teacher, at most one teacher resident.
+4. **rl**: the same job without teachers (GRPO on the environment reward alone), as many samples (its steps make up
+   for the seq-KD episodes).
 
 Everything is evaluated greedily on held-out tasks of both envs; ``runs/distill/summary.json`` gets, per env,
 teacher / student before / student after distillation / student after RL alone.
@@ -118,10 +120,18 @@ def run_jobs(overrides: list[str], which: list[str]) -> dict[str, Any]:
         cfg = load_config(CONFIG, ["run.progress=false", f"eval.episodes={EVAL_EPISODES}", *overrides])
         out["distill"] = run_distill(cfg)
     if "rl" in which:
+        base = load_config(CONFIG, ["run.progress=false", *overrides])
         rl = ["teachers.models=[]", "trainer.drop_uniform_groups=true", f"run.dir={ROOT / 'rl'}"]
+        rl.append(f"run.steps={rl_steps(base)}")
         cfg = load_config(CONFIG, ["run.progress=false", f"eval.episodes={EVAL_EPISODES}", *overrides, *rl])
         out["rl"] = run_rl_per_source(cfg)
     return out
+
+
+def rl_steps(cfg: JobConfig) -> int:
+    """RL-alone steps that use as many samples as the distillation job: its steps plus its seq-KD episodes."""
+    per_step = cfg.store.batch_groups * cfg.rollout.group_size
+    return cfg.run.steps + -(-cfg.teachers.seq_kd.episodes // per_step)
 
 
 def summarize() -> dict[str, Any]:
@@ -136,6 +146,7 @@ def summarize() -> dict[str, Any]:
         per_env[env] = {
             "teacher": teacher,
             "student_before": distill["per_source"][env]["before"],
+            "student_after_seq_kd": distill["per_source"][env].get("after_seq_kd"),
             "student_after_distillation": after,
             "student_after_rl_alone": rl["per_source"][env]["after"],
             "teacher_gain_over_student": teacher - distill["per_source"][env]["before"],
@@ -146,7 +157,10 @@ def summarize() -> dict[str, Any]:
         "per_env": per_env,
         "models": models,
         "steps": distill["steps"],
-        "trajectories": {"distill": distill["trajectories_trained"], "rl": rl["trajectories_trained"]},
+        "samples": {
+            name: r.get("samples", r["trajectories_trained"]) for name, r in (("distill", distill), ("rl", rl))
+        },
+        "seq_kd": {k: distill["seq_kd"][k] for k in ("episodes", "teachers", "curve")} if "seq_kd" in distill else None,
         "wall_s": {"distill": distill["wall_s"], "rl": rl["wall_s"]},
         "teacher_stats": distill["teacher_stats"],
         "eval_episodes_per_env": EVAL_EPISODES,

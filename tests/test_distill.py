@@ -337,3 +337,14 @@ def test_distill_job_with_seq_kd_imitates_then_distills(pair, tmp_path):
     assert summary["policy_dir"] == str(tmp_path / "run" / "seq_kd")
     assert summary["samples"] == 20 + summary["trajectories_trained"]
     assert all({"before", "after_seq_kd", "after"} <= set(row) for row in summary["per_source"].values())
+
+
+def test_demo_rl_baseline_gets_as_many_samples_as_distillation():
+    from agentflow.config import load_config
+    from agentflow.distill_demo import CONFIG, rl_steps
+
+    cfg = load_config(CONFIG, [])
+    per_step = cfg.store.batch_groups * cfg.rollout.group_size
+    distill_samples = cfg.run.steps * per_step + cfg.teachers.seq_kd.episodes
+    assert cfg.teachers.seq_kd.episodes > 0
+    assert rl_steps(cfg) * per_step == distill_samples  # 75 steps x 64 + 1,600 episodes = 100 steps x 64
