@@ -22,9 +22,10 @@ from agentflow.chat import ChatTokenizer
 from agentflow.config import JobConfig
 from agentflow.controller import data_mixture, to_samples
 from agentflow.rollout import EnvPool, Rollouts
-from agentflow.types import Group, SamplingParams, Trajectory
+from agentflow.types import Group, InferenceEngine, SamplingParams, Trajectory
 from envs.tasks import Draw
 from teachers.routing import Router
+from teachers.types import TeacherSpec
 from trainer.types import Sample, TrainerSettings
 
 VAL_FRACTION = 0.1
@@ -46,25 +47,33 @@ async def _play(rollouts: Rollouts, pairs: list[tuple[int, Draw]], sampling: Sam
     return list(await asyncio.gather(*(rollouts.play_group(f"kd{i}", draw, 1, sampling) for i, draw in pairs)))
 
 
-def teacher_episodes(
-    cfg: JobConfig, router: Router, log: Callable[[str], None]
-) -> tuple[list[Group], dict[str, dict[str, Any]]]:
-    """Every seq-KD episode, played by its teacher; one teacher engine exists at a time."""
-    from agentflow.engine.embedded import EmbeddedEngine
+def _teacher_engine(cfg: JobConfig, spec: TeacherSpec) -> InferenceEngine:
+    """A teacher that can play: its model directory in an embedded engine, or its SGLang-protocol server."""
+    if spec.path is not None:
+        from agentflow.engine.embedded import EmbeddedEngine
 
-    specs = {t.name: t for t in cfg.teachers.models}
+        return EmbeddedEngine(spec.path, cfg.engine.max_slots, cfg.engine.max_len, seed=cfg.run.seed)
+    from agentflow.engine.sglang_client import SGLangEngine
+
+    return SGLangEngine([spec.url], request_timeout=cfg.engine.request_timeout)
+
+
+def teacher_episodes(
+    cfg: JobConfig, router: Router, tokenizer_dir: str | Path, log: Callable[[str], None]
+) -> tuple[list[Group], dict[str, dict[str, Any]]]:
+    """Every seq-KD episode, played by its teacher; one teacher engine exists at a time. Episodes are tokenized
+    with the student's tokenizer, which the job's pre-flight check proved equal to every teacher's."""
+    specs = dict(router.teachers)
     sampling = SamplingParams(temperature=cfg.teachers.seq_kd.temperature, max_new_tokens=cfg.rollout.max_new_tokens)
+    tokenizer = ChatTokenizer(tokenizer_dir)
     groups: list[Group] = []
     stats: dict[str, dict[str, Any]] = {}
     for name, pairs in sorted(assign_draws(cfg, router).items()):
-        spec = specs[name]
-        if spec.path is None:
-            raise ValueError(f"teachers.seq_kd: teacher {name!r} is a server ({spec.url}); seq-KD needs a model path")
         t0 = time.monotonic()
-        engine = EmbeddedEngine(spec.path, cfg.engine.max_slots, cfg.engine.max_len, seed=cfg.run.seed)
+        engine = _teacher_engine(cfg, specs[name])
         pool = EnvPool(pairs[0][1].source.env_id, dict(pairs[0][1].source.env_kwargs))
         try:
-            rollouts = Rollouts(engine, ChatTokenizer(spec.path), pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
+            rollouts = Rollouts(engine, tokenizer, pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
             played = asyncio.run(_play(rollouts, pairs, sampling))
         finally:
             engine.close()
@@ -105,7 +114,7 @@ def run_seq_kd(
 
     kd = cfg.teachers.seq_kd
     t0 = time.monotonic()
-    groups, stats = teacher_episodes(cfg, router, log)
+    groups, stats = teacher_episodes(cfg, router, student_dir, log)
     train, val = split_samples(groups)
     steps = kd.epochs * -(-len(train) // kd.batch_size)
     warm = min(20, steps // 10)

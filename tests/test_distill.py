@@ -296,16 +296,22 @@ def test_seq_kd_draws_are_played_by_their_sources_teacher(pair, tmp_path):
     assert 60 < len(first["t"]) < 140 and len(first["t"]) + len(first["s"]) == 200
 
 
-def test_seq_kd_episodes_carry_the_teachers_tokens_and_log_probs(pair, tmp_path):
-    """The imitation data is the teacher's: its recorded log-probs are the teacher's, not the student's."""
+@pytest.mark.parametrize("served", [False, True], ids=["model_dir", "sglang_server"])
+def test_seq_kd_episodes_carry_the_teachers_tokens_and_log_probs(pair, tmp_path, served):
+    """The imitation data is the teacher's (a model directory, or a teacher behind our SGLang-protocol server): the
+    log-probs recorded with its tokens are the teacher's, not the student's."""
+    from agentflow.engine.launch import start_servers, stop_servers
     from agentflow.seq_kd import split_samples, teacher_episodes
 
     student, teacher = pair
     cfg = _seq_kd_config(student, teacher, tmp_path / "run", ['teachers.routes={"a": "t", "m": "t"}'])
-    router = Router(
-        [TeacherSpec("t", path=str(teacher)), TeacherSpec("s", path=str(student))], parse_routes({"a": "t", "m": "t"})
-    )
-    groups, stats = teacher_episodes(cfg, router, log=lambda *_: None)
+    procs, urls = start_servers(teacher, 1, "k", max_slots=8, max_len=384) if served else ([], [])
+    spec = TeacherSpec("t", url=urls[0], tokenizer=str(teacher)) if served else TeacherSpec("t", path=str(teacher))
+    router = Router([spec, TeacherSpec("s", path=str(student))], parse_routes({"a": "t", "m": "t"}))
+    try:
+        groups, stats = teacher_episodes(cfg, router, student, log=lambda *_: None)
+    finally:
+        stop_servers(procs)
     assert len(groups) == 20 and stats["t"]["episodes"] == 20 and set(stats) == {"t"}
     gaps = {"teacher": 0.0, "student": 0.0}
     for name, path in (("teacher", teacher), ("student", student)):
