@@ -241,6 +241,13 @@ class SeqKDConfig(Section):
     threads: int = Field(2, ge=1)
     """Torch threads of the imitation trainer (nothing else runs during this phase, so it may use every core)."""
 
+    @field_validator("episodes")
+    @classmethod
+    def _enough_to_hold_out(cls, v: int) -> int:
+        if 0 < v < 10:
+            raise ValueError(f"must be 0 (off) or at least 10 (every 10th episode is held out), got {v}")
+        return v
+
 
 class TeachersConfig(Section):
     models: list[TeacherModelConfig] = Field(default_factory=list)

@@ -354,3 +354,10 @@ def test_demo_rl_baseline_gets_as_many_samples_as_distillation():
     distill_samples = cfg.run.steps * per_step + cfg.teachers.seq_kd.episodes
     assert cfg.teachers.seq_kd.episodes > 0
     assert rl_steps(cfg) * per_step == distill_samples  # 75 steps x 64 + 1,600 episodes = 100 steps x 64
+
+
+def test_seq_kd_needs_enough_episodes_to_hold_some_out():
+    from agentflow.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"teachers.seq_kd.episodes.*at least 10 \(every 10th episode is held out\)"):
+        load_config(None, ["teachers.seq_kd.episodes=5"])
