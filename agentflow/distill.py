@@ -3,7 +3,8 @@
 The student plays episodes from the job's data mixture (as in RL). Before each train step every trained sequence
 is scored by its data source's teacher(s) through the Teacher Manager (``teachers/``), which keeps at most
 ``teachers.max_resident`` teachers loaded. The trainer turns the teacher log-probs into a per-token reward added to
-the advantage and/or a reverse-KL loss term, beside the environment reward (``teachers.env_reward_coef``).
+the advantage and/or a reverse-KL loss term, beside the environment reward (``teachers.env_reward_coef``). With
+``teachers.seq_kd.episodes`` the student first imitates episodes the teachers play (``agentflow/seq_kd.py``).
 
 Everything that can be checked is checked before anything heavy starts: teacher directories, routes, that every
 data source has a teacher, and that every teacher's tokenizer is the student's.
