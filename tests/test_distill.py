@@ -361,3 +361,29 @@ def test_seq_kd_needs_enough_episodes_to_hold_some_out():
 
     with pytest.raises(ConfigError, match=r"teachers.seq_kd.episodes.*at least 10 \(every 10th episode is held out\)"):
         load_config(None, ["teachers.seq_kd.episodes=5"])
+
+
+def test_demo_reevaluate_rescores_saved_models_without_training(pair, tmp_path, monkeypatch):
+    from agentflow import distill_demo
+
+    student, teacher = pair
+    root = tmp_path / "distill"
+    for run in ("distill", "rl"):
+        shutil.copytree(teacher, root / run / "model")
+        before = {env: {"before": 0.9, "after": 0.9} for env in distill_demo.ENVS}
+        if run == "distill":
+            shutil.copytree(student, root / run / "seq_kd")
+            before = {env: {**row, "after_seq_kd": 0.9} for env, row in before.items()}
+        (root / run / "summary.json").write_text(json.dumps({"per_source": before, "per_source_detail": {}}))
+    names = {"student": student, "teacher-calc": teacher, "teacher-shell": teacher}
+    (root / "models.json").write_text(json.dumps({"models": {k: str(v) for k, v in names.items()}}))
+    monkeypatch.setattr(distill_demo, "ROOT", root)
+    distill_demo.reevaluate(episodes=2)
+    models = json.loads((root / "models.json").read_text())
+    assert models["eval_episodes"] == 2 and set(models["success"]) == set(names)
+    for run in ("distill", "rl"):
+        summary = json.loads((root / run / "summary.json").read_text())
+        assert summary["eval_episodes"] == 2 and "per_source_detail" not in summary
+        for env, row in summary["per_source"].items():  # random tiny models: the placeholders 0.9 are replaced
+            assert row["before"] == models["success"]["student"][env] and row["after"] in (0.0, 0.5, 1.0)
+            assert row.get("after_seq_kd", 0.0) != 0.9
