@@ -49,6 +49,12 @@ def sources(cfg: JobConfig) -> list[DataSource]:
     return list(data_mixture(cfg).sources)
 
 
+def env_pool(cfg: JobConfig) -> EnvPool:
+    """An env pool for the job's sources (it makes an env of each source's id on demand; the first is the default)."""
+    first = sources(cfg)[0]
+    return EnvPool(first.env_id, dict(first.env_kwargs))
+
+
 def route_tags(source_tags: tuple[str, ...] | list[str], source_name: str) -> list[str]:
     """What a sequence is routed on: its data source's tags, then the source's name."""
     return [*source_tags, source_name]
@@ -228,7 +234,7 @@ async def evaluate_dir(cfg: JobConfig, model_dir: Path) -> dict[str, dict[str, A
     from agentflow.engine.factory import make_engine
 
     engine = make_engine(cfg.engine, model_dir, seed=cfg.run.seed)
-    pool = EnvPool(sources(cfg)[0].env_id, dict(sources(cfg)[0].env_kwargs))
+    pool = env_pool(cfg)
     try:
         rollouts = Rollouts(engine, ChatTokenizer(model_dir), pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
         return await evaluate_sources(rollouts, cfg)
@@ -262,7 +268,7 @@ async def _loop(cfg: JobConfig, policy_dir: Path, run_dir: Path, log, router: Ro
     trainer = await asyncio.to_thread(make_trainer_group, policy_dir, settings, tp=cfg.trainer.tp, dp=cfg.trainer.dp)
     engine = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed)
     transport = make_transport(cfg.transfer, [engine])
-    pool = EnvPool(sources(cfg)[0].env_id, dict(sources(cfg)[0].env_kwargs))
+    pool = env_pool(cfg)
     journal = Journal(run_dir / "journal.jsonl")
     store = TrajectoryStore(
         cfg.store.batch_groups, cfg.store.stale_steps, journal, cfg.store.collect, cfg.store.length_aware

@@ -181,9 +181,7 @@ def summarize() -> dict[str, Any]:
         "per_env": per_env,
         "models": models,
         "steps": distill["steps"],
-        "samples": {
-            name: r.get("samples", r["trajectories_trained"]) for name, r in (("distill", distill), ("rl", rl))
-        },
+        "samples": {"distill": distill["samples"], "rl": rl["samples"]},
         "seq_kd": {k: distill["seq_kd"][k] for k in ("episodes", "teachers", "curve")} if "seq_kd" in distill else None,
         "wall_s": {"distill": distill["wall_s"], "rl": rl["wall_s"]},
         "teacher_stats": distill["teacher_stats"],

@@ -21,12 +21,13 @@ from typing import Any
 from agentflow.chat import ChatTokenizer
 from agentflow.config import JobConfig
 from agentflow.controller import data_mixture, to_samples
-from agentflow.rollout import EnvPool, Rollouts
+from agentflow.distill import env_pool
+from agentflow.rollout import Rollouts, success_summary
 from agentflow.types import Group, InferenceEngine, SamplingParams, Trajectory
 from envs.tasks import Draw
 from teachers.routing import Router
 from teachers.types import TeacherSpec
-from trainer.types import Sample, TrainerSettings
+from trainer.types import Sample
 
 VAL_FRACTION = 0.1
 
@@ -71,7 +72,7 @@ def teacher_episodes(
     for name, pairs in sorted(assign_draws(cfg, router).items()):
         t0 = time.monotonic()
         engine = _teacher_engine(cfg, specs[name])
-        pool = EnvPool(pairs[0][1].source.env_id, dict(pairs[0][1].source.env_kwargs))
+        pool = env_pool(cfg)
         try:
             rollouts = Rollouts(engine, tokenizer, pool, cfg.engine.max_len, cfg.rollout.max_concurrency)
             played = asyncio.run(_play(rollouts, pairs, sampling))
@@ -86,13 +87,13 @@ def teacher_episodes(
 
 
 def _teacher_stats(trajs: list[Trajectory], wall_s: float) -> dict[str, Any]:
-    by_source: dict[str, list[float]] = defaultdict(list)
+    by_source: dict[str, list[Trajectory]] = defaultdict(list)
     for t in trajs:
-        by_source[t.data_source].append(1.0 if t.info.get("success") else 0.0)
+        by_source[t.data_source].append(t)
     return {
         "episodes": len(trajs),
         "errors": sum(t.status == "error" for t in trajs),
-        "success": {k: round(sum(v) / len(v), 4) for k, v in sorted(by_source.items())},
+        "success": {k: round(success_summary(v)["success"], 4) for k, v in sorted(by_source.items())},
         "wall_s": round(wall_s, 1),
     }
 
@@ -109,23 +110,13 @@ def run_seq_kd(
     cfg: JobConfig, student_dir: Path, router: Router, out: Path, log: Callable[[str], None] = print
 ) -> tuple[Path, dict[str, Any]]:
     """The imitation phase: returns the imitating student's directory (``out``) and a report."""
-    from agentflow.sft import train_epochs
-    from trainer.launcher import make_trainer_group
+    from agentflow.sft import imitate
 
     kd = cfg.teachers.seq_kd
     t0 = time.monotonic()
     groups, stats = teacher_episodes(cfg, router, student_dir, log)
     train, val = split_samples(groups)
-    steps = kd.epochs * -(-len(train) // kd.batch_size)
-    warm = min(20, steps // 10)
-    settings = TrainerSettings(
-        lr=kd.lr, seed=cfg.trainer.seed, threads=kd.threads, warmup_steps=warm, decay_steps=steps - warm
-    )
-    group = make_trainer_group(student_dir, settings, tp=cfg.trainer.tp, dp=cfg.trainer.dp)
-    try:
-        report = train_epochs(group, train, val, kd.epochs, kd.batch_size, 1, cfg.trainer.seed, out, log, "seq-KD")
-    finally:
-        group.close()
+    report = imitate(cfg, student_dir, train, val, kd.lr, kd.epochs, kd.batch_size, 1, kd.threads, out, log, "seq-KD")
     report.update(teachers=stats, train_rows=len(train), val_rows=len(val), episodes=len(groups))
     report["total_wall_s"] = round(time.monotonic() - t0, 1)
     (out / "seq_kd_report.json").write_text(json.dumps(report, indent=2))

@@ -104,25 +104,44 @@ def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str
     if (out / "sft_report.json").is_file():
         log(f"SFT warm-up: cached at {out}")
         return out
-    from trainer.launcher import make_trainer_group
-
     tok = ChatTokenizer(base_dir)
     train, expert_success = expert_samples(cfg, tok, range(cfg.sft.episodes), "train")
     val, _ = expert_samples(cfg, tok, range(10_000_000, 10_000_000 + cfg.sft.val_episodes), "train")
-    steps = cfg.sft.max_epochs * -(-len(train) // cfg.sft.batch_size)
-    warm = min(50, steps // 10)
-    settings = TrainerSettings(
-        lr=cfg.sft.lr, seed=cfg.trainer.seed, threads=cfg.sft.threads, warmup_steps=warm, decay_steps=steps - warm
-    )
-    group = make_trainer_group(base_dir, settings, tp=cfg.trainer.tp, dp=cfg.trainer.dp)
-    try:
-        s = cfg.sft
-        report = train_epochs(group, train, val, s.max_epochs, s.batch_size, s.patience, cfg.trainer.seed, out, log)
-    finally:
-        group.close()
+    s = cfg.sft
+    report = imitate(cfg, base_dir, train, val, s.lr, s.max_epochs, s.batch_size, s.patience, s.threads, out, log)
     report["expert_success_train"] = expert_success
     (out / "sft_report.json").write_text(json.dumps(report, indent=2))
     return out
+
+
+def imitate(
+    cfg: JobConfig,
+    base_dir: Path,
+    train: list[Sample],
+    val: list[Sample],
+    lr: float,
+    max_epochs: int,
+    batch_size: int,
+    patience: int,
+    threads: int,
+    out: Path,
+    log: Callable[[str], None],
+    what: str = "SFT",
+) -> dict[str, Any]:
+    """Train ``base_dir`` on ``train`` with the NLL loss (linear warm-up over a tenth of the steps, at most 50, then
+    decay) in a trainer group of its own; the weights with the best ``val`` loss go to ``out``."""
+    from trainer.launcher import make_trainer_group
+
+    steps = max_epochs * -(-len(train) // batch_size)
+    warm = min(50, steps // 10)
+    settings = TrainerSettings(
+        lr=lr, seed=cfg.trainer.seed, threads=threads, warmup_steps=warm, decay_steps=steps - warm
+    )
+    group = make_trainer_group(base_dir, settings, tp=cfg.trainer.tp, dp=cfg.trainer.dp)
+    try:
+        return train_epochs(group, train, val, max_epochs, batch_size, patience, cfg.trainer.seed, out, log, what)
+    finally:
+        group.close()
 
 
 def train_epochs(

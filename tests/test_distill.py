@@ -200,50 +200,9 @@ def test_bad_teacher_setups_fail_before_the_job_starts(pair, tmp_path, capsys, c
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
 
 
-@pytest.mark.slow
-def test_distill_job_end_to_end_on_a_tiny_model(pair, tmp_path):
-    """``run_distill`` on two data sources routed to two teachers (budget 1): trains, scores every sample, evals."""
-    from agentflow.config import load_config
-    from agentflow.distill import run_distill
-
-    student, teacher = pair
-    cfg = load_config(
-        None,
-        [
-            f"model.path={student}",
-            "model.init_if_missing=false",
-            'data.sources=[{"env_id": "agentflow/Calc-v0", "name": "add", "tags": ["a"], '
-            '"env_kwargs": {"task_types": ["add"]}}, {"env_id": "agentflow/Calc-v0", "name": "mul", "tags": ["m"], '
-            '"env_kwargs": {"task_types": ["mul"]}}]',
-            "sft.enabled=false",
-            "trainer.drop_uniform_groups=false",
-            "trainer.micro_batch_tokens=2048",
-            f"run.dir={tmp_path / 'run'}",
-            "run.steps=2",
-            "run.progress=false",
-            "store.batch_groups=2",
-            "rollout.group_size=2",
-            "rollout.max_new_tokens=12",
-            "engine.max_len=384",
-            "eval.episodes=2",
-            f'teachers.models=[{{"name": "t", "path": "{teacher}"}}, {{"name": "s", "path": "{student}"}}]',
-            'teachers.routes={"a": "t", "m": "s"}',
-            "teachers.loss_coef=0.1",
-            "teachers.top_k=4",
-            "teachers.max_resident=1",
-        ],
-    )
-    summary = run_distill(cfg, log=lambda *_: None)
-    assert summary["steps"] == 2 and set(summary["per_source"]) == {"add", "mul"}
-    stats = summary["teacher_stats"]
-    assert stats["sequences_scored"] == summary["trajectories_trained"] and stats["peak_resident"] == 1
-    assert set(stats["per_teacher"]) <= {"t", "s"} and stats["per_teacher"]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert all("train/teacher_k1" in r and "train/distill_kl" in r for r in rows)
-    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
-
-
-def _seq_kd_config(student: Path, teacher: Path, run_dir: Path, extra: list[str] = ()):  # type: ignore[assignment]
+def _two_source_config(student: Path, teacher: Path, run_dir: Path, extra: list[str]):
+    """A distill job on two Calc data sources (``add`` tagged ``a`` -> teacher ``t``, ``mul`` tagged ``m`` ->
+    teacher ``s``, the student itself), sized for a tiny model; ``extra`` overrides come last."""
     from agentflow.config import load_config
 
     return load_config(
@@ -261,16 +220,36 @@ def _seq_kd_config(student: Path, teacher: Path, run_dir: Path, extra: list[str]
             "run.progress=false",
             "rollout.max_new_tokens=12",
             "engine.max_len=384",
-            "engine.max_slots=8",
             f'teachers.models=[{{"name": "t", "path": "{teacher}"}}, {{"name": "s", "path": "{student}"}}]',
             'teachers.routes={"a": "t", "m": "s"}',
-            "teachers.seq_kd.episodes=20",
-            "teachers.seq_kd.epochs=2",
-            "teachers.seq_kd.batch_size=8",
-            "teachers.seq_kd.threads=1",
             *extra,
         ],
     )
+
+
+@pytest.mark.slow
+def test_distill_job_end_to_end_on_a_tiny_model(pair, tmp_path):
+    """``run_distill`` on two data sources routed to two teachers (budget 1): trains, scores every sample, evals."""
+    from agentflow.distill import run_distill
+
+    student, teacher = pair
+    extra = ["run.steps=2", "store.batch_groups=2", "rollout.group_size=2", "eval.episodes=2"]
+    extra += ["teachers.loss_coef=0.1", "teachers.top_k=4", "teachers.max_resident=1"]
+    cfg = _two_source_config(student, teacher, tmp_path / "run", extra)
+    summary = run_distill(cfg, log=lambda *_: None)
+    assert summary["steps"] == 2 and set(summary["per_source"]) == {"add", "mul"}
+    stats = summary["teacher_stats"]
+    assert stats["sequences_scored"] == summary["trajectories_trained"] and stats["peak_resident"] == 1
+    assert set(stats["per_teacher"]) <= {"t", "s"} and stats["per_teacher"]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all("train/teacher_k1" in r and "train/distill_kl" in r for r in rows)
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+def _seq_kd_config(student: Path, teacher: Path, run_dir: Path, extra: list[str] = ()):  # type: ignore[assignment]
+    seq_kd = ["engine.max_slots=8", "teachers.seq_kd.episodes=20", "teachers.seq_kd.epochs=2"]
+    seq_kd += ["teachers.seq_kd.batch_size=8", "teachers.seq_kd.threads=1"]
+    return _two_source_config(student, teacher, run_dir, [*seq_kd, *extra])
 
 
 def test_seq_kd_draws_are_played_by_their_sources_teacher(pair, tmp_path):
