@@ -1,9 +1,9 @@
 """Chat format: Qwen2.5-style markup, tool calls, incremental tokenization.
 
 This is the only module that knows how conversations become tokens and how model text becomes tool calls (a settled
-convention in DESIGN.md). The rendering is built so that a conversation is a strict prefix of any longer one: the
-token ids of a running episode are the ids of its first prompt, then the engine's ids, then encodings of only the new
-messages, and are never re-tokenized.
+convention, docs/architecture.md). The rendering is built so that a conversation is a strict prefix of any longer
+one: the token ids of a running episode are the ids of its first prompt, then the engine's ids, then encodings of
+only the new messages, and are never re-tokenized.
 
 Markup (one message)::
 

@@ -3,12 +3,12 @@
 Stages (each cached in ``runs/distill``, run ``python -m agentflow.distill_demo``):
 
 1. **student**: warm-up SFT of a fresh model on envs.demo's flawed Calc expert (right on add/mul, wrong on
-   mod/sub) - the demo's usual starting point. It has never seen the retrieval env.
+   mod/sub) - the demo's usual starting point. It has never seen the shell env.
 2. **teachers**: the student's finished warm-up (:func:`teacher_init`) fine-tuned by SFT on a *correct*
    Calc expert (teacher ``calc``) and, separately, on the shell env's expert (teacher ``shell``). Same tokenizer as
-   the student by construction. (The second env was the retrieval env's single-hop set until session 15: its world
+   the student by construction. (The second env was first the retrieval env's single-hop set: its world
    is a fixed collection of a few hundred invented names, and a 3M-parameter teacher memorised the training names
-   instead of learning to copy the asked one, scoring 0 on held-out questions; docs/notes/issue-10.md.)
+   instead of learning to copy the asked one, scoring 0 on held-out questions; docs/decisions.md.)
 3. **distill**: ``agentflow distill configs/distill.yaml``: first sequence-level KD (the student imitates episodes
    each source's teacher plays), then on-policy distillation from both teachers, each data source routed to its
    teacher, at most one teacher resident.

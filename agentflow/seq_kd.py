@@ -2,7 +2,7 @@
 
 On-policy distillation scores the student's own samples. On an env the student has never seen those samples are
 format errors from the first token (a shell-naive student closes ``<tool_call>`` at once), and a reverse KL on them
-teaches the format slowly (docs/notes/issue-10.md). GKD mixes in teacher-generated sequences for that reason; here
+teaches the format slowly (docs/results.md). GKD mixes in teacher-generated sequences for that reason; here
 they come first, as a short imitation phase: each draw of the data mixture is played by its source's teacher (at
 ``teachers.seq_kd.temperature``, one teacher loaded at a time), the student is trained on the teachers' tokens with
 the NLL loss, and the on-policy phase starts from the result.

@@ -8,7 +8,7 @@ batch is the ``collect`` strategy (``fifo`` or ``first_finished``, see :class:`T
 staleness would exceed the bound when collected is not trained; it stays in the journal and is counted in
 ``dropped_stale``.
 
-Staleness of a trajectory trained at trainer version ``t`` is ``t - (its oldest token version)`` (DESIGN.md).
+Staleness of a trajectory trained at trainer version ``t`` is ``t - (its oldest token version)`` (docs/architecture.md).
 Episode length, for the length-bias accounting, is the number of model-generated tokens of a trajectory.
 """
 

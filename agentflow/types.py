@@ -45,7 +45,8 @@ class GenerateResult:
     """One finished request: the sampled ids with their behaviour log-probs and weight versions.
 
     ``logprobs[i]`` is the log-prob of ``output_ids[i]`` under the sampling distribution after temperature and
-    before top-k/top-p truncation (DESIGN.md); ``versions[i]`` is the weight version whose logits it came from.
+    before top-k/top-p truncation (docs/architecture.md); ``versions[i]`` is the weight version whose logits it
+    came from.
     """
 
     rid: str

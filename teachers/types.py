@@ -1,8 +1,8 @@
 """Contracts of the Teacher Manager: teacher specs, routes, scoring requests and results, the scorer protocol.
 
-``teachers`` imports nothing of ours (DESIGN.md): it scores through any object with the engine's ``score`` method
-(:class:`Scorer`), built by a factory the caller injects, so the same manager drives the embedded CPU engine and
-SGLang servers.
+``teachers`` imports nothing of ours (docs/architecture.md): it scores through any object with the engine's
+``score`` method (:class:`Scorer`), built by a factory the caller injects, so the same manager drives the embedded
+CPU engine and SGLang servers.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from agentflow.engine.embedded import EmbeddedEngine
 from agentflow.engine.tensors import serialize_named_tensors
 from agentflow.model_init import ModelInitConfig, init_model
 
-# Recorded from a real SGLang 0.5.23 server (a copy of ../shared/fixtures/sglang kept in the repo, so CI has them)
+# Recorded from a real SGLang 0.5.23 server (kept in the repo, so CI replays them)
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sglang"
 KEY = "run-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -1,4 +1,4 @@
-"""Issue 8: the CUDA IPC transport (trainer and 2 engine processes on one GPU). Needs CUDA: marked ``gpu``."""
+"""The CUDA IPC transport (trainer and 2 engine processes on one GPU). Needs CUDA: marked ``gpu``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 8, acceptance 1: a trainer in this process updates 2 engine server processes (gloo broadcast and HTTP).
+"""A trainer in this process updates 2 engine server processes (gloo broadcast and HTTP).
 
 After every update each engine's prompt log-probs on a probe equal the trainer's within 1e-4 and its weights equal
 the exported tensors within 1e-5; a corrupted bucket is refused and both engines stay on the old version.

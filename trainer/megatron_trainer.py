@@ -1,10 +1,11 @@
 """The Megatron trainer, in-process: a megatron-core ``GPTModel`` loaded from an HF directory, AdamW, the losses.
 
-On CPU Megatron's DDP and distributed optimizer hard-code CUDA (NOTES.md), so this path uses AdamW with clipping by
-the global (TP-aware) gradient norm; with CUDA it uses Megatron's DDP and distributed optimizer (trainer/gpu.py,
-unverified on a GPU so far). Each :meth:`train_step` is one training step (usually one optimizer step, gradient
-accumulation across micro-batches) and bumps the weight version by one. Under TP/DP (trainer/launcher.py's
-ParallelTrainerGroup) every rank runs this class; the DP hooks shard samples and sum gradients and metrics.
+On CPU Megatron's DDP and distributed optimizer hard-code CUDA (docs/decisions.md), so this path uses AdamW with
+clipping by the global (TP-aware) gradient norm; with CUDA it uses Megatron's DDP and distributed optimizer
+(trainer/gpu.py, unverified on a GPU so far). Each :meth:`train_step` is one training step (usually one optimizer
+step, gradient accumulation across micro-batches) and bumps the weight version by one. Under TP/DP
+(trainer/launcher.py's ParallelTrainerGroup) every rank runs this class; the DP hooks shard samples and sum gradients
+and metrics.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Model provider: megatron-core ``GPTModel`` (local layer spec) for Llama/Qwen2, runnable on CPU, plus HF I/O.
 
-Three patch-free adaptations make megatron-core 0.16.1 run on CPU (see ../shared/NOTES.md):
+Three patch-free adaptations make megatron-core 0.16.1 run on CPU (docs/decisions.md):
 
 1. the RNG tracker is megatron's no-op inference tracker (dropout is 0 everywhere);
 2. the spec's ``core_attention`` is :class:`SDPACoreAttention` (stock ``DotProductAttention`` allocates a CUDA
@@ -473,8 +473,8 @@ def token_logprobs(
     """``log p(ids[:, t+1] | ids[:, :t+1])`` as fp32 ``[b, s-1]``; zero where the target is right padding.
 
     ``temperature`` divides the logits first, so the result matches the engine's behaviour log-probs of tokens
-    sampled at that temperature (DESIGN.md: after temperature, before top-k/top-p). Differentiable; vocab-parallel
-    under TP (megatron's ``vocab_parallel_cross_entropy``).
+    sampled at that temperature (after temperature, before top-k/top-p; docs/architecture.md). Differentiable;
+    vocab-parallel under TP (megatron's ``vocab_parallel_cross_entropy``).
     """
     logits = _logits(model, input_ids, attention_mask)[:, :-1]
     if temperature != 1.0:

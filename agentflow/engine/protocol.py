@@ -1,7 +1,7 @@
 """The SGLang HTTP protocol subset (0.5.x) shared by our server and our client: request parsing, reply shapes.
 
-Field names, nesting and error bodies follow real SGLang (see ``../shared/fixtures/sglang``). SGLang uses three
-error body shapes, and so do we, for the same kinds of mistakes:
+Field names, nesting and error bodies follow real SGLang (replies recorded from SGLang 0.5.23 are in
+``tests/fixtures/sglang``). SGLang uses three error body shapes, and so do we, for the same kinds of mistakes:
 
 - request-body validation (a top-level field of the wrong type): OpenAI style
   ``{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}``;

@@ -1,4 +1,4 @@
-"""Per-request token sampling with behaviour log-probs taken before top-k/top-p truncation (DESIGN.md)."""
+"""Per-request token sampling with behaviour log-probs taken before top-k/top-p truncation (docs/architecture.md)."""
 
 from __future__ import annotations
 

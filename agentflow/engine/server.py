@@ -1,7 +1,7 @@
 """HTTP serving of the embedded engine over the SGLang protocol subset (aiohttp, 127.0.0.1 by default).
 
-Routes, field names, reply shapes and status codes follow SGLang 0.5.x (``../shared/fixtures/sglang``), so one
-client (:mod:`agentflow.engine.sglang_client`) drives this server and real SGLang servers alike. Endpoints that
+Routes, field names, reply shapes and status codes follow SGLang 0.5.x (recorded replies: ``tests/fixtures/sglang``),
+so one client (:mod:`agentflow.engine.sglang_client`) drives this server and real SGLang servers alike. Endpoints that
 change state (pause, continue, abort, flush, weights, memory) require ``Authorization: Bearer <api_key>`` when the
 server has a key; reads (``/health``, ``/model_info``, ``/server_info``) and ``/generate`` do not.
 

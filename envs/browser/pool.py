@@ -94,7 +94,7 @@ class Lease:
 
         Playwright's ``page.screenshot`` adds round trips around the same capture (style injection to stop
         animations and hide the caret, font readiness); through the one Node driver and browser process that every
-        env shares, those round trips were what 4 concurrent episodes queued on (docs/notes/issue-11.md).
+        env shares, those round trips were what 4 concurrent episodes queued on (docs/results.md).
         """
         shot = await self.cdp.send("Page.captureScreenshot", {"format": "png", "optimizeForSpeed": True})
         return base64.b64decode(shot["data"])
