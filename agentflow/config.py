@@ -11,7 +11,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from teachers.config import TeachersConfig
+from trainer import registry
+from trainer.config import TrainerConfig
 
 
 class ConfigError(ValueError):
@@ -136,56 +140,6 @@ class StoreConfig(Section):
     them if need be), so no group is dropped for being slow and training is not skewed toward short episodes."""
 
 
-class TrainerConfig(Section):
-    lr: float = Field(1e-5, gt=0)
-    """Peak AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warm-up steps of the LR schedule."""
-    grad_clip: float = Field(1.0, gt=0)
-    """Max global gradient norm."""
-    loss: Literal["grpo", "dapo", "gspo", "sft"] = "grpo"
-    """Policy loss (trainer/losses.py documents each): token-level GRPO, DAPO (GRPO's loss; pair it with
-    ``clip_high > clip_low``), GSPO (sequence-level ratios), or SFT."""
-    drop_uniform_groups: bool = True
-    """DAPO's dynamic sampling: leave out groups whose rewards are all equal (their GRPO advantage is zero), so they
-    cost no trainer time and do not dilute the token-level average. A batch with none left is a no-op step."""
-    clip_low: float = Field(0.2, ge=0)
-    """Ratio clip below 1 (PPO's epsilon)."""
-    clip_high: float = Field(0.2, ge=0)
-    """Ratio clip above 1 (DAPO's clip-higher uses 0.28)."""
-    off_policy: Literal["none", "tis", "mis", "seq_tis", "seq_mis"] = "tis"
-    """Correction against the engine's behaviour log-probs: token truncated IS, token masking, or sequence level."""
-    is_cap: float = Field(2.0, gt=0)
-    """Upper cap C of importance weights (truncation) or of the kept range (masking)."""
-    is_low: float = Field(0.5, ge=0)
-    """Lower end of the kept range for masking modes."""
-    recompute_old: bool = False
-    """Recompute old log-probs with a no-grad pass before the update; otherwise the current ones (one update per
-    batch) or the behaviour ones (several updates)."""
-    minibatches: int = Field(1, ge=1)
-    """Optimizer steps per RL step (the batch split in order)."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the KL to the reference policy (the initial weights, scored by a reference engine)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator."""
-    entropy_coef: float = Field(0.0, ge=0)
-    """Entropy bonus weight (needs rollout temperature 1)."""
-    turn_credit: bool = False
-    """Turn-level credit: per-turn returns, updates in reverse turn order (after RTPO)."""
-    gamma: float = Field(1.0, ge=0, le=1)
-    """Discount of per-turn returns."""
-    tp: int = Field(1, ge=1)
-    """Tensor-parallel ranks of the trainer (processes launched by the trainer group itself)."""
-    dp: int = Field(1, ge=1)
-    """Data-parallel ranks of the trainer."""
-    micro_batch_tokens: int = Field(4096, ge=64)
-    """Token budget of one padded micro-batch (gradient accumulation across micro-batches)."""
-    seed: int = 0
-    """Trainer seed."""
-
-
 class SFTConfig(Section):
     enabled: bool = True
     """Warm up with supervised fine-tuning on the scripted policy's traces before RL."""
@@ -212,70 +166,6 @@ class EvalConfig(Section):
     """Held-out (eval split) episodes per evaluation, greedy decoding."""
     every_steps: int = Field(0, ge=0)
     """Evaluate every N RL steps (0: only before and after RL)."""
-
-
-class TeacherModelConfig(Section):
-    name: str
-    """Name the routes refer to."""
-    path: str | None = None
-    """Local Hugging Face model directory (scored by an embedded engine loaded on demand)."""
-    url: str | None = None
-    """SGLang-protocol server URL instead of ``path`` (scored over HTTP)."""
-    tokenizer: str | None = None
-    """Directory with the teacher's tokenizer.json (default: ``path``; required with ``url``), checked against the
-    student's before the job starts."""
-
-
-class SeqKDConfig(Section):
-    episodes: int = Field(0, ge=0)
-    """Episodes the teachers play (drawn from the data mixture, each played by its source's teacher) for the student
-    to imitate before on-policy distillation; 0: no sequence-level KD. Counts toward the job's samples."""
-    epochs: int = Field(3, ge=1)
-    """Upper bound on passes over those episodes (stops early when the held-out 10% stops improving)."""
-    lr: float = Field(1e-3, gt=0)
-    """Learning rate of the imitation phase."""
-    batch_size: int = Field(32, ge=1)
-    """Sequences per imitation step."""
-    temperature: float = Field(1.0, gt=0)
-    """Teachers' sampling temperature (1: the student imitates the teachers' own distribution)."""
-    threads: int = Field(2, ge=1)
-    """Torch threads of the imitation trainer (nothing else runs during this phase, so it may use every core)."""
-
-    @field_validator("episodes")
-    @classmethod
-    def _enough_to_hold_out(cls, v: int) -> int:
-        if 0 < v < 10:
-            raise ValueError(f"must be 0 (off) or at least 10 (every 10th episode is held out), got {v}")
-        return v
-
-
-class TeachersConfig(Section):
-    models: list[TeacherModelConfig] = Field(default_factory=list)
-    """The teachers; none: no distillation."""
-    routes: dict[str, str | dict[str, float]] = Field(default_factory=dict)
-    """Data-source tag -> teacher name, or ``{teacher: weight}`` for a weighted mix; tag ``default`` catches
-    sources without a routed tag."""
-    mix: Literal["probs", "sample"] = "probs"
-    """A mixed route's teachers: per-token mixture of probabilities, or one teacher per sequence drawn by weight."""
-    max_resident: int = Field(1, ge=1)
-    """Teachers loaded at once; idle ones are released and reloaded on demand."""
-    release: Literal["free", "offload"] = "free"
-    """Idle teachers: closed and freed (reloaded from disk), or offloaded by scorers that can (GPU -> CPU)."""
-    top_k: int = Field(8, ge=1)
-    """Teacher alternatives per position for the top-k KL (``loss_estimator: topk``)."""
-    env_reward_coef: float = Field(0.0, ge=0)
-    """Scale of the environment-reward (GRPO) advantage beside the teachers' signal (0: pure distillation)."""
-    reward_coef: float = Field(1.0, ge=0)
-    """Per-token reward ``-coef * reverse KL`` added to the advantage (policy-gradient distillation)."""
-    reward_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """Reverse-KL estimate used as that reward."""
-    loss_coef: float = Field(0.0, ge=0)
-    """Weight of the reverse KL to the teacher as a loss term (GKD style)."""
-    loss_estimator: Literal["k1", "k2", "k3", "topk"] = "topk"
-    """Estimator of that loss term: sampled-token k1/k2/k3, or the exact KL over the teacher's top-k tokens."""
-    seq_kd: SeqKDConfig = Field(default_factory=SeqKDConfig)
-    """Off-policy phase first: the student imitates episodes the teachers play (GKD's teacher-generated data), which
-    teaches an env the student has never seen its format; on-policy distillation follows."""
 
 
 class RayConfig(Section):
@@ -337,6 +227,18 @@ class JobConfig(Section):
     transfer: dict[str, Any] = Field(default_factory=lambda: {"type": "inprocess"})
     """TransferMesh weight transport, tagged by ``type`` (inprocess | gloo | http); see transfer_mesh/transport.py."""
 
+    @model_validator(mode="after")
+    def _teacher_estimators(self) -> JobConfig:
+        """The teachers' estimators are the trainer's (one registry); ``teachers`` cannot import the trainer."""
+        t = self.teachers
+        try:
+            registry.check("kl_estimator", t.reward_estimator)
+            registry.check("distill_loss_estimator", t.loss_estimator)
+        except ValueError as e:
+            field = "reward_estimator" if "kl_estimator" in str(e) else "loss_estimator"
+            raise ValueError(f"teachers.{field}: {e}") from None
+        return self
+
     @field_validator("transfer")
     @classmethod
     def _check_transfer(cls, v: dict[str, Any]) -> dict[str, Any]:
@@ -380,6 +282,8 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 def _format_error(err: ValidationError) -> str:
     e = err.errors()[0]
     key = ".".join(str(x) for x in e["loc"])
+    if not e["loc"]:  # a whole-config check names its own key
+        return str(e["msg"]).removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         return f"unknown config key '{key}'.{_suggest(key)}"
     return f"config key '{key}': {e['msg']} (got {e.get('input')!r})"

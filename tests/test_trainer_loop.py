@@ -109,7 +109,11 @@ def test_bad_loss_settings_are_refused():
     with pytest.raises(ValueError, match="unknown loss"):
         LossSettings(name="ppo2")
     with pytest.raises(ValueError, match="off_policy"):
-        replace(LossSettings(), off_policy="weird").__post_init__()
+        LossSettings(off_policy="weird")
+    with pytest.raises(ValueError, match="Did you mean 'gspo'"):
+        LossSettings(name="gsp")
+    with pytest.raises(ValueError, match="kl_estimator"):
+        LossSettings().kl_estimator = "k4"  # assignment is validated too
 
 
 def test_norm_tokens_scales_the_loss_average(tiny_model):

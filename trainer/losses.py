@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer import registry
 from trainer.types import LossSettings, Sample
 
 
@@ -133,6 +134,27 @@ def _turn_plan(samples: list[Sample], gids: list[str], gamma: float) -> Advantag
     return AdvantagePlan(advs, phases)
 
 
+def weights_none(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, cfg: LossSettings) -> torch.Tensor:
+    return torch.ones_like(r)
+
+
+def weights_tis(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, cfg: LossSettings) -> torch.Tensor:
+    return torch.clamp(r, max=cfg.is_cap)
+
+
+def weights_mis(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, cfg: LossSettings) -> torch.Tensor:
+    return ((r >= cfg.is_low) & (r <= cfg.is_cap)).to(r.dtype)
+
+
+def weights_seq_tis(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, cfg: LossSettings) -> torch.Tensor:
+    return torch.clamp(torch.exp(log_r.sum(-1, keepdim=True)), max=cfg.is_cap).expand_as(r)
+
+
+def weights_seq_mis(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, cfg: LossSettings) -> torch.Tensor:
+    geo = torch.exp(log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+    return ((geo >= cfg.is_low) & (geo <= cfg.is_cap)).to(r.dtype).expand_as(r)
+
+
 def off_policy_weights(
     old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, cfg: LossSettings
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -140,23 +162,7 @@ def off_policy_weights(
     log_r = ((old - behaviour) * mask).detach()
     r = torch.exp(log_r)
     metrics = {"is_approx_k3_kl": ((r - 1 - log_r) * mask).sum(), "logprob_abs_diff": (log_r.abs() * mask).sum()}
-    mode = cfg.off_policy
-    if mode == "none":
-        w = torch.ones_like(r)
-    elif mode == "tis":
-        w = torch.clamp(r, max=cfg.is_cap)
-    elif mode == "mis":
-        w = ((r >= cfg.is_low) & (r <= cfg.is_cap)).to(r.dtype)
-    elif mode in ("seq_tis", "seq_mis"):
-        seq_log = log_r.sum(-1, keepdim=True)
-        if mode == "seq_tis":
-            w = torch.clamp(torch.exp(seq_log), max=cfg.is_cap).expand_as(r)
-        else:
-            mean_log = seq_log / mask.sum(-1, keepdim=True).clamp(min=1)
-            geo = torch.exp(mean_log)
-            w = ((geo >= cfg.is_low) & (geo <= cfg.is_cap)).to(r.dtype).expand_as(r)
-    else:
-        raise ValueError(f"unknown off_policy mode {mode!r}")
+    w = registry.resolve("off_policy", cfg.off_policy)(r, log_r, mask, cfg)
     metrics["is_weight_mean"] = (w * mask).sum()
     metrics["is_weight_zero_frac"] = ((w == 0).to(r.dtype) * mask).sum()
     return w, metrics
@@ -184,16 +190,21 @@ def gspo_sequence_loss(
     return loss, ((seq_ratio < 1.0 - clip_low) | (seq_ratio > 1.0 + clip_high)).detach()
 
 
+def kl_k1(d: torch.Tensor) -> torch.Tensor:
+    return d
+
+
+def kl_k2(d: torch.Tensor) -> torch.Tensor:
+    return 0.5 * d**2
+
+
+def kl_k3(d: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-d) - 1 + d
+
+
 def kl_penalty(logp: torch.Tensor, ref: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from tokens sampled by pi."""
-    d = logp - ref
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d**2
-    if estimator == "k3":
-        return torch.exp(-d) - 1 + d
-    raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
+    """Per-token estimate of KL(pi || ref) from tokens sampled by pi (``d = logp - ref``)."""
+    return registry.resolve("kl_estimator", estimator)(logp - ref)
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, denom: float) -> torch.Tensor:
@@ -246,24 +257,41 @@ def distill_loss(x: LossInputs, cfg: LossSettings, mask: torch.Tensor) -> torch.
     return (kl_penalty(x.logp, x.teacher, cfg.distill_loss_estimator) * mask).sum()
 
 
+def token_surrogate(
+    x: LossInputs, cfg: LossSettings, w: torch.Tensor, mask: torch.Tensor, denom_tokens: float, denom_seqs: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO/DAPO: the clipped surrogate per token, importance-weighted, averaged over the batch's model tokens.
+    Returns the loss and the summed count of clipped tokens."""
+    tok_loss, clipped = ppo_token_loss(x.logp, x.old, x.advantages, cfg.clip_low, cfg.clip_high)
+    return (w * tok_loss * mask).sum() / denom_tokens, (clipped.to(mask.dtype) * mask).sum()
+
+
+def sequence_surrogate(
+    x: LossInputs, cfg: LossSettings, w: torch.Tensor, mask: torch.Tensor, denom_tokens: float, denom_seqs: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: the clipped surrogate per sequence (geometric-mean ratio), weighted by the sequence's mean IS weight,
+    averaged over sequences."""
+    seq_w = (w * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    seq_loss, clipped = gspo_sequence_loss(x.logp, x.old, x.advantages, mask, cfg.clip_low, cfg.clip_high)
+    has = (mask.sum(-1) > 0).to(mask.dtype)
+    return (seq_w * seq_loss * has).sum() / denom_seqs, (clipped.to(mask.dtype)[:, None] * mask).sum()
+
+
+def nll(
+    x: LossInputs, cfg: LossSettings, w: torch.Tensor, mask: torch.Tensor, denom_tokens: float, denom_seqs: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SFT through the policy-loss interface: the token-level NLL (no ratio, nothing clipped)."""
+    return sft_loss(x.logp, mask, denom_tokens), torch.zeros((), dtype=mask.dtype)
+
+
 def policy_loss(
     x: LossInputs, cfg: LossSettings, denom_tokens: float, denom_seqs: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The configured objective for one micro-batch; metrics are sums (divide by the global token count)."""
     mask = x.mask.to(x.logp.dtype)
     w, metrics = off_policy_weights(x.old, x.behaviour, mask, cfg)
-    if cfg.name == "gspo":
-        seq_w = (w * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        seq_loss, clipped = gspo_sequence_loss(x.logp, x.old, x.advantages, mask, cfg.clip_low, cfg.clip_high)
-        has = (mask.sum(-1) > 0).to(mask.dtype)
-        loss = (seq_w * seq_loss * has).sum() / denom_seqs
-        metrics["clip_frac"] = (clipped.to(mask.dtype)[:, None] * mask).sum()
-    elif cfg.name in ("grpo", "dapo"):
-        tok_loss, clipped = ppo_token_loss(x.logp, x.old, x.advantages, cfg.clip_low, cfg.clip_high)
-        loss = (w * tok_loss * mask).sum() / denom_tokens
-        metrics["clip_frac"] = (clipped.to(mask.dtype) * mask).sum()
-    else:
-        raise ValueError(f"unknown policy loss {cfg.name!r}; choose grpo, dapo, gspo or sft")
+    loss, clip_frac = registry.resolve("loss", cfg.name)(x, cfg, w, mask, denom_tokens, denom_seqs)
+    metrics["clip_frac"] = clip_frac
     if cfg.kl_coef > 0:
         if x.ref is None:
             raise ValueError("kl_coef > 0 needs reference log-probs on every sample (score them with a ref engine)")

@@ -14,7 +14,6 @@ import math
 import os
 import random
 import time
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainer import registry
 from trainer.batching import MicroBatch, make_micro_batches
 from trainer.dist import dp_rank_and_size, init_distributed
 from trainer.losses import LossInputs, plan_advantages, policy_loss, sft_loss
@@ -120,7 +120,9 @@ class MegatronTrainer:
         batch had zero advantage) is a no-op step: the weights stay, the version and the LR schedule still advance,
         so versions keep counting batches.
         """
-        cfg = self.settings.loss if loss in (None, self.settings.loss.name) else replace(self.settings.loss, name=loss)
+        cfg = self.settings.loss
+        if loss not in (None, cfg.name):
+            cfg = cfg.model_copy(update={"name": registry.check("loss", loss)})
         if not samples:
             self.scheduler.step()
             self.version += 1

@@ -1,0 +1,152 @@
+"""The trainer's config: the job's ``trainer:`` section and the settings a trainer process is built with.
+
+Each option is declared once, here. :class:`TrainerConfig` is what a user writes; :class:`TrainerSettings` is what
+the trainer receives: the same optimisation fields plus values the job supplies (threads, the rollout temperature,
+an LR decay for imitation phases, the teachers' signals). Names of losses and estimators are checked against
+``trainer/registry.py``.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from trainer import registry
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class OptimFields(_Section):
+    lr: float = Field(1e-5, gt=0)
+    """Peak AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps of the LR schedule."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global gradient norm."""
+    micro_batch_tokens: int = Field(4096, ge=64)
+    """Token budget of one padded micro-batch (gradient accumulation across micro-batches)."""
+    seed: int = 0
+    """Trainer seed."""
+
+
+class LossFields(_Section):
+    clip_low: float = Field(0.2, ge=0)
+    """Ratio clip below 1 (PPO's epsilon)."""
+    clip_high: float = Field(0.2, ge=0)
+    """Ratio clip above 1 (DAPO's clip-higher uses 0.28)."""
+    off_policy: str = "tis"
+    """Correction against the engine's behaviour log-probs (``trainer/registry.py``): ``none``, token truncated IS
+    ``tis``, token masking ``mis``, or sequence level ``seq_tis`` / ``seq_mis``."""
+    is_cap: float = Field(2.0, gt=0)
+    """Upper cap C of importance weights (truncation) or of the kept range (masking)."""
+    is_low: float = Field(0.5, ge=0)
+    """Lower end of the kept range for masking modes."""
+    recompute_old: bool = False
+    """Recompute old log-probs with a no-grad pass before the update; otherwise the current ones (one update per
+    batch) or the behaviour ones (several updates)."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per RL step (the batch split in order)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL to the reference policy (the initial weights, scored by a frozen reference engine)."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimator: ``k1``, ``k2`` or ``k3``."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus weight (needs rollout temperature 1)."""
+    turn_credit: bool = False
+    """Turn-level credit: per-turn returns, updates in reverse turn order (after RTPO)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount of per-turn returns."""
+
+    @field_validator("off_policy")
+    @classmethod
+    def _known_correction(cls, v: str) -> str:
+        return registry.check("off_policy", v)
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _known_kl(cls, v: str) -> str:
+        return registry.check("kl_estimator", v)
+
+
+class TrainerConfig(OptimFields, LossFields):
+    """The job's ``trainer:`` section."""
+
+    loss: str = "grpo"
+    """Policy loss (``trainer/registry.py``; trainer/losses.py documents each): token-level ``grpo``, ``dapo``
+    (GRPO's loss; pair it with ``clip_high > clip_low``), ``gspo`` (sequence-level ratios), or ``sft``."""
+    drop_uniform_groups: bool = True
+    """DAPO's dynamic sampling: leave out groups whose rewards are all equal (their GRPO advantage is zero), so they
+    cost no trainer time and do not dilute the token-level average. A batch with none left is a no-op step."""
+    tp: int = Field(1, ge=1)
+    """Tensor-parallel ranks of the trainer (processes launched by the trainer group itself)."""
+    dp: int = Field(1, ge=1)
+    """Data-parallel ranks of the trainer."""
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        return registry.check("loss", v)
+
+    def loss_settings(self, **signals: object) -> LossSettings:
+        """The loss as the trainer runs it; ``signals``: the teachers' :class:`LossSettings` fields."""
+        return LossSettings(name=self.loss, **self.model_dump(include=set(LossFields.model_fields)), **signals)
+
+    def settings(self, threads: int, temperature: float, **changes: object) -> TrainerSettings:
+        """A trainer's settings from this section (``changes``: fields of :class:`TrainerSettings` to replace)."""
+        base = {"loss": self.loss_settings(), **self.model_dump(include=set(OptimFields.model_fields))}
+        return TrainerSettings(**{**base, "threads": threads, "temperature": temperature, **changes})
+
+
+class LossSettings(LossFields):
+    """Which objective and which corrections a trainer runs (trainer/losses.py documents each)."""
+
+    name: str = "grpo"
+    """The policy loss's registered name."""
+    env_reward_coef: float = Field(1.0, ge=0)
+    """Scale of the environment-reward advantage (the job passes ``teachers.env_reward_coef``)."""
+    distill_reward_coef: float = Field(0.0, ge=0)
+    """Per-token reward ``-coef * KL_t(behaviour || teacher)`` (the job passes ``teachers.reward_coef``)."""
+    distill_reward_estimator: str = "k1"
+    """Estimator of that reward (the job passes ``teachers.reward_estimator``)."""
+    distill_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the reverse-KL loss term to the teacher (the job passes ``teachers.loss_coef``)."""
+    distill_loss_estimator: str = "topk"
+    """Estimator of that term (the job passes ``teachers.loss_estimator``)."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        return registry.check("loss", v)
+
+    @field_validator("distill_reward_estimator")
+    @classmethod
+    def _known_reward_estimator(cls, v: str) -> str:
+        return registry.check("kl_estimator", v)
+
+    @field_validator("distill_loss_estimator")
+    @classmethod
+    def _known_loss_estimator(cls, v: str) -> str:
+        return registry.check("distill_loss_estimator", v)
+
+    @property
+    def distills(self) -> bool:
+        """Whether the objective uses teacher log-probs."""
+        return self.distill_reward_coef > 0 or self.distill_loss_coef > 0
+
+
+class TrainerSettings(OptimFields):
+    """What a trainer process is built with."""
+
+    loss: LossSettings = Field(default_factory=LossSettings)
+    """The objective."""
+    decay_steps: int = Field(0, ge=0)
+    """Cosine decay to ``min_lr_ratio`` of the peak over this many steps after warm-up (0: constant LR)."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Floor of the decay, as a fraction of the peak LR."""
+    temperature: float = Field(1.0, gt=0)
+    """Rollout sampling temperature: RL log-probs are taken from logits / temperature, as the engine's are."""
+    threads: int = Field(1, ge=1)
+    """Torch threads of each trainer process (the job's ``run.threads``, or an imitation phase's own)."""

@@ -1,0 +1,61 @@
+"""The trainer's objectives by name: the one place a loss, an off-policy correction or a KL estimator is added.
+
+Each table maps a config name to a ``module:function`` entry point (resolved on first use, so reading a config
+does not import torch). Config validation checks names against these tables with a "did you mean"; the trainer
+resolves the function from the same table. Adding an estimator is one function plus one line here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+POLICY_LOSSES: dict[str, str] = {
+    "grpo": "trainer.losses:token_surrogate",  # token-level clipped surrogate, token-level averaging
+    "dapo": "trainer.losses:token_surrogate",  # GRPO's loss; pair with clip_high > clip_low, drop_uniform_groups
+    "gspo": "trainer.losses:sequence_surrogate",  # sequence-level geometric-mean ratio
+    "sft": "trainer.losses:nll",  # imitation: negative log-likelihood of the model tokens
+}
+"""``trainer.loss``: the policy objective."""
+
+OFF_POLICY: dict[str, str] = {
+    "none": "trainer.losses:weights_none",
+    "tis": "trainer.losses:weights_tis",
+    "mis": "trainer.losses:weights_mis",
+    "seq_tis": "trainer.losses:weights_seq_tis",
+    "seq_mis": "trainer.losses:weights_seq_mis",
+}
+"""``trainer.off_policy``: importance weights against the engine's behaviour log-probs."""
+
+KL_ESTIMATORS: dict[str, str] = {
+    "k1": "trainer.losses:kl_k1",
+    "k2": "trainer.losses:kl_k2",
+    "k3": "trainer.losses:kl_k3",
+}
+"""``trainer.kl_estimator`` and the teachers' sampled-token estimators: per-token KL(pi || ref) from pi's tokens."""
+
+DISTILL_LOSS_ESTIMATORS: dict[str, str] = {**KL_ESTIMATORS, "topk": "trainer.losses:topk_reverse_kl"}
+"""``teachers.loss_estimator``: a sampled-token estimator, or the KL over the teacher's top-k tokens."""
+
+_TABLES = {"loss": POLICY_LOSSES, "off_policy": OFF_POLICY, "kl_estimator": KL_ESTIMATORS,
+           "distill_loss_estimator": DISTILL_LOSS_ESTIMATORS}  # fmt: skip
+
+
+def check(kind: str, name: str) -> str:
+    """``name`` if the ``kind`` table has it; otherwise a ValueError listing the choices and the closest one."""
+    table = _TABLES[kind]
+    if name in table:
+        return name
+    close = difflib.get_close_matches(name, table, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"unknown {kind} {name!r}; choose one of {sorted(table)}.{hint}")
+
+
+@cache
+def resolve(kind: str, name: str) -> Callable[..., Any]:
+    """The function registered as ``name`` in the ``kind`` table."""
+    module, _, attr = _TABLES[kind][check(kind, name)].partition(":")
+    return getattr(importlib.import_module(module), attr)
