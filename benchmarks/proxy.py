@@ -186,6 +186,13 @@ async def load(proxy: Any, sampling: Any, n_async: int, n_proc: int) -> dict[str
     wall = time.perf_counter() - t0
     stop.set()
     await sampler
+    return _load_summary(proxy, results, n_async, n_proc, wall, timeline)
+
+
+def _load_summary(
+    proxy: Any, results: list[Any], n_async: int, n_proc: int, wall: float, timeline: list[tuple[float, int]]
+) -> dict[str, Any]:
+    """The load run's report: episodes and calls made against calls the proxy recorded (none may be lost)."""
     ok = [r for r in results if isinstance(r, dict)]
     errors = [repr(r)[:300] for r in results if not isinstance(r, dict)]
     recs = [r["recorder"] for r in ok]

@@ -123,6 +123,27 @@ def _kill_trainer(run_dir: Path, proc: subprocess.Popen, log: Path) -> None:
     assert "agentflow train --resume" in log.read_text(), log.read_text()[-3000:]
 
 
+def _assert_resumed_without_loss(run_dir: Path, tmp_path: Path) -> None:
+    """After the three kills and the final resume: every group trained exactly once, none skipped."""
+    logs = "".join((tmp_path / f"log{i}.txt").read_text() for i in (2, 3, 4))
+    assert logs.count("resumed ") == 3
+    final = torch.load(run_dir / "checkpoints" / f"step_{STEPS:06d}.pt", weights_only=False)["extra"]
+    trained = final["trained_ids"]
+    journal = Journal.read(run_dir / "journal.jsonl")
+    journal_ids = [t.id for t in journal]
+    assert len(journal_ids) == len(set(journal_ids))  # no group was dispatched twice under one id
+    assert len(trained) == len(set(trained)) == STEPS * B * G  # nothing trained twice
+    assert set(trained) <= set(journal_ids)
+    # nothing lost: training consumed accepted groups strictly in dispatch order, across all four runs, so the
+    # trained groups are exactly the oldest journaled ones; a lost (never restored) group would leave a gap
+    by_index = sorted({t.group_id for t in journal}, key=group_index)
+    trained_groups = {i.rsplit("-", 1)[0] for i in trained}
+    assert trained_groups == set(by_index[: STEPS * B])
+    assert set(final["pending_ids"]) == set(journal_ids) - set(trained)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rl_steps"] == STEPS and summary["max_staleness_seen"] <= 1
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigkill_trainer_three_times_then_resume_loses_nothing(tmp_path):
@@ -169,20 +190,4 @@ def test_sigkill_trainer_three_times_then_resume_loses_nothing(tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
-    logs = "".join((tmp_path / f"log{i}.txt").read_text() for i in (2, 3, 4))
-    assert logs.count("resumed ") == 3
-    final = torch.load(run_dir / "checkpoints" / f"step_{STEPS:06d}.pt", weights_only=False)["extra"]
-    trained = final["trained_ids"]
-    journal = Journal.read(run_dir / "journal.jsonl")
-    journal_ids = [t.id for t in journal]
-    assert len(journal_ids) == len(set(journal_ids))  # no group was dispatched twice under one id
-    assert len(trained) == len(set(trained)) == STEPS * B * G  # nothing trained twice
-    assert set(trained) <= set(journal_ids)
-    # nothing lost: training consumed accepted groups strictly in dispatch order, across all four runs, so the
-    # trained groups are exactly the oldest journaled ones; a lost (never restored) group would leave a gap
-    by_index = sorted({t.group_id for t in journal}, key=group_index)
-    trained_groups = {i.rsplit("-", 1)[0] for i in trained}
-    assert trained_groups == set(by_index[: STEPS * B])
-    assert set(final["pending_ids"]) == set(journal_ids) - set(trained)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["rl_steps"] == STEPS and summary["max_staleness_seen"] <= 1
+    _assert_resumed_without_loss(run_dir, tmp_path)

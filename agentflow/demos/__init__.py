@@ -1,0 +1,1 @@
+"""Demo-only code: the distillation demo and its scripted experts, the black-box demo agent."""
