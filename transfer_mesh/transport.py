@@ -1,4 +1,4 @@
-"""The weight-update interface: one small :class:`WeightTransport`, a tagged config, a factory, the choreography.
+"""The weight-update interface: the :class:`WeightTransport` protocol, a tagged config, a factory, the choreography.
 
 A transport moves whole versions from the trainer to engines: ``send(version, named_tensors)`` on the trainer side
 (HF names, full tensors, as exported) returns an :class:`UpdateReport` once every engine applied the version, or
@@ -7,8 +7,9 @@ version) or :class:`WeightSyncError` (the transport failed). The receiving side 
 :func:`choreograph`: pause (mode by config), apply, flush or keep the prefix cache, resume, timing the stall.
 
 Adding a transport is one file: ``transfer_mesh/transport_<type>.py`` defining ``CONFIG`` (a
-:class:`TransportConfig` subclass with ``type: Literal["<type>"]``) and ``TRANSPORT`` (a :class:`WeightTransport`
-subclass). :func:`make_transport` imports it by the config's ``type``.
+:class:`TransportConfig` subclass with ``type: Literal["<type>"]``) and ``TRANSPORT`` (a class built as
+``TRANSPORT(config, engines)`` that implements :class:`WeightTransport`; the shipped ones subclass
+:class:`TransportBase`). :func:`make_transport` imports it by the config's ``type``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, Self, cast, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
@@ -27,6 +28,8 @@ from transfer_mesh.buckets import IntegrityError
 from transfer_mesh.plan import TransferPlan
 
 PauseMode = Literal["none", "in_place", "retract", "abort"]
+EnginePauseMode = Literal["in_place", "retract", "abort"]
+"""How an engine pauses (the transport's ``none`` means: the engine is not paused at all)."""
 TRANSPORT_TYPES = ("inprocess", "gloo", "http", "cuda_ipc")
 
 
@@ -75,52 +78,79 @@ class UpdateReport:
 
 
 @runtime_checkable
+class WeightTransport(Protocol):
+    """Trainer side of a weight update, as the controller drives it (every transport implements it)."""
+
+    def send(self, version: int, named: Mapping[str, Tensor]) -> UpdateReport:
+        """Deliver ``named`` (HF names -> full tensors) as ``version`` to every engine, verified, whole or not.
+
+        Raises :class:`VersionRefused` (an engine refused it and keeps its previous version) or
+        :class:`WeightSyncError` (the transport failed)."""
+        ...
+
+    def close(self) -> None:
+        """Release the transport's resources (groups, buffers); engines keep their weights."""
+        ...
+
+
+@runtime_checkable
 class LocalEngine(Protocol):
-    """An engine in this process (the embedded engine): what in-process delivery needs."""
+    """An engine the sending side calls directly (the embedded engine, a Ray engine, an SGLang client): what
+    :func:`choreograph` and the in-process delivery need."""
 
     @property
     def weight_version(self) -> int: ...
 
     def update_weights(self, version: int, named_tensors: dict[str, Any]) -> None: ...
 
-    def pause(self, mode: str = "in_place") -> None: ...
+    def pause(self, mode: EnginePauseMode = "in_place") -> None: ...
 
     def resume(self) -> None: ...
 
     def flush_cache(self) -> bool: ...
 
 
-def choreograph(engine: Any, pause_mode: str, flush_cache: bool, apply: Callable[[], None]) -> dict[str, float]:
+@runtime_checkable
+class KeepsCacheOnUpdate(Protocol):
+    """An engine whose own update drops or keeps its prefix cache as this flag says (the embedded engine)."""
+
+    keep_cache_on_update: bool
+
+
+def choreograph(engine: LocalEngine, pause_mode: str, flush_cache: bool, apply: Callable[[], None]) -> dict[str, float]:
     """Pause ``engine`` (unless ``none``), run ``apply``, flush or keep its prefix cache, resume; time the stall.
 
-    An engine with a ``keep_cache_on_update`` attribute (the embedded engine) is told for this update whether its
-    update keeps the cache; others get ``flush_cache()`` after the update when asked. Exceptions from ``apply``
-    propagate after the engine has resumed (it keeps serving its previous version).
+    A :class:`KeepsCacheOnUpdate` engine is told for this update whether its update keeps the cache; others get
+    ``flush_cache()`` after the update when asked. Exceptions from ``apply`` propagate after the engine has resumed
+    (it keeps serving its previous version).
     """
-    has_keep = hasattr(engine, "keep_cache_on_update")
-    previous = getattr(engine, "keep_cache_on_update", None)
-    if has_keep:
-        engine.keep_cache_on_update = not flush_cache
+    keeper = engine if isinstance(engine, KeepsCacheOnUpdate) else None
+    previous = keeper.keep_cache_on_update if keeper is not None else False
+    if keeper is not None:
+        keeper.keep_cache_on_update = not flush_cache
     t0 = time.perf_counter()
     paused = pause_mode != "none"
     try:
         if paused:
-            engine.pause(pause_mode)
+            engine.pause(cast(EnginePauseMode, pause_mode))
         t1 = time.perf_counter()
         apply()
-        if flush_cache and not has_keep:
+        if flush_cache and keeper is None:
             engine.flush_cache()
         apply_s = time.perf_counter() - t1
     finally:
         if paused:
             engine.resume()
-        if has_keep:
-            engine.keep_cache_on_update = previous
+        if keeper is not None:
+            keeper.keep_cache_on_update = previous
     return {"stall_s": time.perf_counter() - t0, "apply_s": apply_s}
 
 
-class WeightTransport(ABC):
-    """Trainer side of a weight update: ``send`` a whole version to every engine, ``close`` when done."""
+class TransportBase(ABC):
+    """What the shipped transports share: the plan (computed once, then checked), the wire hook, the reports.
+
+    Subclasses implement :meth:`send`; they are :class:`WeightTransport` s.
+    """
 
     type: ClassVar[str] = ""
 
@@ -150,7 +180,7 @@ class WeightTransport(ABC):
         """Release the transport's resources (groups, buffers); engines keep their weights."""
         self.plan = None
 
-    def __enter__(self) -> WeightTransport:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

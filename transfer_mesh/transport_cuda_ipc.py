@@ -28,7 +28,7 @@ from torch import Tensor
 from transfer_mesh.buckets import IntegrityError
 from transfer_mesh.checksum import finite
 from transfer_mesh.plan import DTYPES, TransferPlan
-from transfer_mesh.transport import TransportConfig, UpdateReport, VersionRefused, WeightSyncError, WeightTransport
+from transfer_mesh.transport import TransportBase, TransportConfig, UpdateReport, VersionRefused, WeightSyncError
 
 _MASK = (1 << 64) - 1
 _WORDS_PER_STEP = 1 << 22
@@ -91,6 +91,8 @@ def apply_ipc_message(engine: Any, message: dict[str, Any]) -> dict[str, Any]:
     from transfer_mesh.transport import choreograph
 
     version = int(message["version"])
+    buffers: dict[int, Tensor] = {}
+    views: dict[str, Tensor] = {}
     try:
         plan = TransferPlan.from_wire(message["plan"])
         buffers = {i: fn(*args) for i, (fn, args) in enumerate(message["handles"])}  # maps, no copy
@@ -104,7 +106,7 @@ def apply_ipc_message(engine: Any, message: dict[str, Any]) -> dict[str, Any]:
     except (IntegrityError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         return {"success": False, "message": f"version {version} refused: {exc}"}
     finally:
-        buffers = views = None  # noqa: F841 (drop the mapping before answering: the trainer reuses its staging)
+        buffers, views = {}, {}  # noqa: F841 (drop the mapping before answering: the trainer reuses its staging)
         torch.cuda.synchronize()
     return {"success": True, "weight_version": engine.weight_version, **timing}
 
@@ -144,7 +146,7 @@ class IpcEngineLink:
 # --------------------------------------------------------------------------------------------- trainer side
 
 
-class CudaIpcTransport(WeightTransport):
+class CudaIpcTransport(TransportBase):
     """Delivers to engine processes on the trainer's GPU (:class:`IpcEngine` objects)."""
 
     type = "cuda_ipc"

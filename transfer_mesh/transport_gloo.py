@@ -29,7 +29,7 @@ from torch import Tensor
 
 from transfer_mesh.buckets import IntegrityError
 from transfer_mesh.plan import DTYPES, TransferPlan
-from transfer_mesh.transport import TransportConfig, UpdateReport, VersionRefused, WeightSyncError, WeightTransport
+from transfer_mesh.transport import TransportBase, TransportConfig, UpdateReport, VersionRefused, WeightSyncError
 
 MAGIC = 0x544D4553  # "TMES"
 END = -1
@@ -78,8 +78,9 @@ def make_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    gloo: Any = dist.ProcessGroupGloo  # its _Options is not in torch's type stubs
+    opts = gloo._Options()
+    opts._devices = [gloo.create_device(hostname=address)]
     opts._timeout = timeout
     return dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/", store), rank, world_size, opts)
 
@@ -185,7 +186,7 @@ class GlooReceiver:
 # ------------------------------------------------------------------------------------------------ sending side
 
 
-class GlooTransport(WeightTransport):
+class GlooTransport(TransportBase):
     """Rank 0 of a gloo group whose other ranks are the servers behind ``engines`` (DistributedControl objects)."""
 
     type = "gloo"
@@ -209,10 +210,12 @@ class GlooTransport(WeightTransport):
         self._store = dist.TCPStore(
             addr, self.cfg.master_port, self.world_size, True, timeout=timeout, wait_for_workers=False
         )
-        futures, offset = [], 1
+        futures: list[cf.Future[None]] = []
+        offset = 1
         for e in self.engines:
-            args = (addr, self._store.port, offset, self.world_size, self.cfg.group_name, "gloo")
-            futures.append(self._pool.submit(e.init_weights_update_group, *args))
+            join = e.init_weights_update_group
+            port, name = self._store.port, self.cfg.group_name
+            futures.append(self._pool.submit(join, addr, port, offset, self.world_size, name, "gloo"))
             offset += e.num_servers
         try:
             self._pg = make_group(addr, 0, 0, self.world_size, self.cfg.group_name, self.cfg.timeout_s, self._store)

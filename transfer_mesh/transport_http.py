@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from transfer_mesh.transport import TransportConfig, UpdateReport, VersionRefused, WeightTransport, choreograph
+from transfer_mesh.transport import TransportBase, TransportConfig, UpdateReport, VersionRefused, choreograph
 
 
 class HttpConfig(TransportConfig):
@@ -23,7 +23,7 @@ class HttpConfig(TransportConfig):
     """``transfer_mesh``: checksummed buckets (our servers); ``sglang``: plain named tensors (real SGLang)."""
 
 
-class HttpTransport(WeightTransport):
+class HttpTransport(TransportBase):
     """Delivers to ``SGLangEngine`` clients (``update_weights_from_buckets`` / ``update_weights``)."""
 
     type = "http"
@@ -39,10 +39,12 @@ class HttpTransport(WeightTransport):
         report = UpdateReport(version, self.type, plan.total_bytes, plan.num_buckets)
         if self.cfg.protocol == "sglang":
             for k, e in enumerate(self.engines):
+
+                def apply(e: Any = e) -> None:
+                    e.update_weights(version, dict(named))
+
                 try:
-                    timing = choreograph(
-                        e, self.cfg.pause_mode, self.cfg.flush_cache, lambda e=e: e.update_weights(version, dict(named))
-                    )
+                    timing = choreograph(e, self.cfg.pause_mode, self.cfg.flush_cache, apply)
                 except ValueError as exc:
                     raise VersionRefused(f"engine {k} refused version {version}: {exc}") from exc
                 report.engines.append({"engine": k, **timing})

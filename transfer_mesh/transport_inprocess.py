@@ -23,14 +23,14 @@ from typing import Any, Literal
 from torch import Tensor
 
 from transfer_mesh.buckets import IntegrityError
-from transfer_mesh.transport import TransportConfig, UpdateReport, VersionRefused, WeightTransport, choreograph
+from transfer_mesh.transport import TransportBase, TransportConfig, UpdateReport, VersionRefused, choreograph
 
 
 class InProcessConfig(TransportConfig):
     type: Literal["inprocess"] = "inprocess"
 
 
-class InProcessTransport(WeightTransport):
+class InProcessTransport(TransportBase):
     """Delivers to :class:`~transfer_mesh.transport.LocalEngine` objects in this process."""
 
     type = "inprocess"
