@@ -1,19 +1,21 @@
 """Agents by name: the registry, the base agent and its ``run(episode)`` hook, and the two built-in kinds.
 
-``whitebox`` is our token loop (:mod:`agentflow.agent`); ``blackbox`` runs any program that speaks the OpenAI chat
+``whitebox`` is our token loop (:mod:`agentflow.episode`); ``blackbox`` runs any program that speaks the OpenAI chat
 API through the recording proxy (:mod:`agentflow.proxy`). A job picks one with ``agent.type``; a user's own agent
-is a :class:`BaseAgent` registered with :func:`register_agent` (its module imported before the job starts).
+is a :class:`BaseAgent` named by ``module:Class``, declared as an ``agentflow.agents`` entry point, or registered
+with :func:`register_agent` (its module imported before the job starts).
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agentflow.agent import EpisodeSpec, run_episode
 from agentflow.chat import ChatTokenizer
+from agentflow.episode import EpisodeSpec, run_episode
 from agentflow.types import InferenceEngine, SamplingParams, Trajectory
 
 
@@ -65,13 +67,51 @@ def registered_agents() -> list[str]:
     return sorted(_REGISTRY)
 
 
+ENTRY_POINT_GROUP = "agentflow.agents"
+"""Installed packages may declare agents here: ``name = "package.module:AgentClass"``."""
+
+
+def _entry_points() -> dict[str, Any]:
+    import importlib.metadata  # lazily: it costs ~60 ms at import
+
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _load_reference(ref: str) -> AgentFactory:
+    """``module:Class`` (or ``module:function``) returning a :class:`BaseAgent`."""
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"agent.type {ref!r}: cannot import module {module_name!r} ({e})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        names = [n for n in dir(module) if not n.startswith("_")]
+        close = difflib.get_close_matches(attr, names, n=1)
+        hint = f" Did you mean '{module_name}:{close[0]}'?" if close else ""
+        raise ValueError(f"agent.type {ref!r}: module {module_name!r} has no agent {attr!r}.{hint}")
+    return factory
+
+
 def make_agent(name: str, **settings: Any) -> BaseAgent:
-    """The agent registered as ``name``, built with ``settings``; an unknown name says what is available."""
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, _REGISTRY, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown agent type {name!r}; registered: {registered_agents()}.{hint}")
-    return _REGISTRY[name](**settings)
+    """The agent ``name`` built with ``settings``: a registered name, an ``agentflow.agents`` entry point, or a
+    ``module:Class`` reference. An unknown name says what is available and what is closest."""
+    if name in _REGISTRY:
+        factory = _REGISTRY[name]
+    elif ":" in name:
+        factory = _load_reference(name)
+    else:
+        eps = _entry_points()
+        if name not in eps:
+            known = sorted({*_REGISTRY, *eps})
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown agent type {name!r}; registered: {known} (or use module:Class).{hint}")
+        factory = eps[name].load()
+    agent = factory(**settings)
+    if not isinstance(agent, BaseAgent):
+        raise ValueError(f"agent.type {name!r} made a {type(agent).__name__}, not an agentflow.agents.BaseAgent")
+    return agent
 
 
 @register_agent("whitebox")

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentflow.config import JobConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,42 +122,42 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "envs":
         return _run_envs(args)
-    from agentflow.config import ConfigError, load_config
+    from agentflow.config import load_config
 
     config, overrides = _split_config(args)
     resume = getattr(args, "resume", None)
     if resume:
         config, overrides = _resume_config(resume, config, overrides)
     cfg = load_config(config, overrides)
-    if args.cmd == "distill" or (args.cmd == "train" and cfg.teachers.models):
-        from agentflow.distill import run_distill
+    if args.cmd == "eval":
+        from agentflow.recipes.evaluate import run_eval
 
-        if getattr(args, "resume", None):
-            raise ConfigError("--resume does not support distillation jobs yet")
-        summary = run_distill(cfg)
-        print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=2))
+        print(json.dumps(run_eval(cfg, args.model), indent=2))
         return 0
-    if args.cmd == "train":
-        from agentflow.job import run_job
-        from trainer.launcher import TrainerError
+    return _train(args.cmd, cfg, bool(resume))
 
-        try:
-            summary = run_job(cfg, resume=bool(resume))
-        except TrainerError as e:
-            print(f"agentflow: {e}\nagentflow: continue with `agentflow train --resume {cfg.run.dir}`", file=sys.stderr)
-            return 1
-        print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=2))
-        return 0
-    from agentflow.job import run_eval
 
-    print(json.dumps(run_eval(cfg, args.model), indent=2))
+def _train(cmd: str, cfg: JobConfig, resume: bool) -> int:
+    """``train`` (RL, or distillation when the config has teachers) and ``distill``."""
+    from trainer.launcher import TrainerError
+
+    if cmd == "distill" or cfg.teachers.models:
+        from agentflow.recipes.distill import run_distill as run
+    else:
+        from agentflow.recipes.rl import run_job as run
+    try:
+        summary = run(cfg, resume=resume)
+    except TrainerError as e:
+        print(f"agentflow: {e}\nagentflow: continue with `agentflow train --resume {cfg.run.dir}`", file=sys.stderr)
+        return 1
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=2))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from agentflow.builder import JobError
     from agentflow.config import ConfigError
-    from agentflow.job import JobError
     from agentflow.resume import ResumeError
     from envs.errors import EnvError
 

@@ -85,8 +85,9 @@ class RolloutConfig(Section):
 
 class AgentConfig(Section):
     type: str = "whitebox"
-    """Registered agent (agentflow/agents.py): ``whitebox`` (our token loop) or ``blackbox`` (an OpenAI-API
-    program through the recording proxy)."""
+    """The agent (agentflow/agents.py): ``whitebox`` (our token loop), ``blackbox`` (an OpenAI-API program through
+    the recording proxy), a name registered with ``register_agent`` or declared as an ``agentflow.agents`` entry
+    point, or ``module:Class`` (a :class:`~agentflow.agents.BaseAgent` built with this section's settings)."""
     context: Literal["truncate", "compact"] = "truncate"
     """Whitebox: a full context ends the episode, or continues it in a new ``compact`` segment."""
     entry: str | None = None

@@ -1,4 +1,4 @@
-"""The single controller: the RL loop, one screen long.
+"""The single controller: the RL loop, one screen long, over the parts :func:`agentflow.builder.build_job` made.
 
 ``async`` mode: a feeder keeps dispatching groups while the trainer steps; the store's window bounds staleness.
 ``sync`` mode: the same loop, with the dispatch gate closed from taking a batch until the new weights are in the
@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentflow.metrics import MetricsLogger
+from agentflow.builder import Job
 from agentflow.resume import ResumeState
-from agentflow.rollout import BusyTracker, Rollouts
+from agentflow.rollout import outcomes, per_type_success
 from agentflow.store import TrajectoryStore
 from agentflow.types import Group, InferenceEngine, SamplingParams
-from envs.tasks import DataMixture, DataSource
-from trainer.types import Sample
+from trainer.types import Sample, TrainerGroup
+from transfer_mesh.transport import WeightTransport
 
 
 @dataclass
@@ -30,51 +30,47 @@ class LoopResult:
     end: float = 0.0
     trained_ids: list[str] = field(default_factory=list)
     sync_s: list[float] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """Held-out evaluations every ``eval.every_steps`` steps (``{"step": N, ...}``)."""
+    recycled: int = 0
+    """Generations aborted by a weight update and run again (``rollout.partial: recycle``) in trained groups."""
+
+    def record(self, steps: int, batch: list[Group], sync_s: float) -> None:
+        self.steps = steps
+        trajs = [t for g in batch for t in g.trajectories]
+        self.trained_ids += [t.id for t in trajs]
+        self.recycled += sum(int(t.info.get("recycled", 0)) for t in trajs)
+        self.sync_s.append(sync_s)
 
 
-async def rl_loop(
-    rollouts: Rollouts,
-    store: TrajectoryStore,
-    trainer: Any,
-    transport: Any,
-    cfg: Any,
-    log: MetricsLogger,
-    trainer_busy: BusyTracker,
-    ref_engine: InferenceEngine | None = None,
-    resume: ResumeState | None = None,
-    annotate: Callable[[list[Group], list[Sample]], None] | None = None,
-) -> LoopResult:
-    """The RL loop; ``annotate(batch, samples)`` (optional, run in a thread) adds to the samples before training,
-    e.g. teacher log-probs for distillation."""
-    sync = cfg.run.mode == "sync"
-    sampling = SamplingParams(
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens
-    )
-    first = resume.step if resume else 0
-    result = LoopResult(steps=first, start=time.monotonic(), trained_ids=list(resume.trained_ids) if resume else [])
-    first_group = resume.next_group_index if resume else 0
-    feeder = asyncio.create_task(rollouts.feed(store, cfg.rollout.group_size, sampling, data_mixture(cfg), first_group))
+Evaluate = Callable[[], Awaitable[dict[str, float]]]
+"""A recipe's held-out evaluation of the current policy (``eval.every_steps``): metric name -> value."""
+
+
+async def rl_loop(job: Job, resume: ResumeState | None = None, evaluate: Evaluate | None = None) -> LoopResult:
+    """The RL loop: take a batch within the staleness window, score it, train, send the weights, repeat."""
+    cfg, store = job.cfg, job.store
+    result = LoopResult(steps=resume.step if resume else 0, start=time.monotonic())
+    result.trained_ids = list(resume.trained_ids) if resume else []
+    feeder = asyncio.create_task(
+        job.rollouts.feed(store, cfg.rollout.group_size, rollout_sampling(cfg), job.mixture,
+                          resume.next_group_index if resume else 0)
+    )  # fmt: skip
     try:
-        for step in log.progress(range(first, cfg.run.steps), desc=f"RL ({cfg.run.mode})"):
-            batch = await _next_batch(store, feeder, close_gate=sync)  # B finished groups, within the window
-            samples = to_samples(batch, drop_uniform=cfg.trainer.drop_uniform_groups)
-            if ref_engine is not None:  # KL to the reference policy, scored by a never-updated engine
-                await asyncio.to_thread(score_reference, ref_engine, samples)
-            if annotate is not None:
-                await asyncio.to_thread(annotate, batch, samples)
-            trainer_busy.enter()
-            metrics = await asyncio.to_thread(trainer.train_step, samples, cfg.trainer.loss)  # rollouts go on
-            version, report = await sync_weights(trainer, transport)  # TransferMesh: trainer -> engines
-            trainer_busy.exit()
+        for step in job.metrics.progress(range(result.steps, cfg.run.steps), desc=f"RL ({cfg.run.mode})"):
+            batch = await _next_batch(store, feeder, close_gate=cfg.run.mode == "sync")  # B groups in the window
+            samples = await score_batch(job, batch)
+            job.trainer_busy.enter()
+            metrics = await asyncio.to_thread(job.trainer.train_step, samples, cfg.trainer.loss)  # rollouts go on
+            version, report = await sync_weights(job.trainer, job.transport)  # TransferMesh: trainer -> engines
+            job.trainer_busy.exit()
             await store.set_trainer_version(version)
-            if sync:
+            if cfg.run.mode == "sync":
                 await store.set_gate(True)
-            result.trained_ids += [t.id for g in batch for t in g.trajectories]
-            result.sync_s.append(report["total_s"])
-            log.step(step + 1, train=metrics, rollout=batch_metrics(batch), store=store.metrics(), sync=report)
-            result.steps = step + 1
-            if cfg.run.checkpoint_every and (step + 1) % cfg.run.checkpoint_every == 0:
-                await save_checkpoint(trainer, log, result, store)
+            result.record(step + 1, batch, report["total_s"])
+            extra = await _every_steps(job, result, evaluate)
+            job.metrics.step(result.steps, train=metrics, rollout=batch_metrics(batch), store=store.metrics(),
+                             sync=report, **extra)  # fmt: skip
     finally:
         feeder.cancel()
         await asyncio.gather(feeder, return_exceptions=True)
@@ -83,23 +79,43 @@ async def rl_loop(
     return result
 
 
-async def save_checkpoint(trainer: Any, log: MetricsLogger, result: LoopResult, store: TrajectoryStore) -> None:
+def rollout_sampling(cfg: Any) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+
+
+async def score_batch(job: Job, batch: list[Group]) -> list[Sample]:
+    """Trainable rows of a batch, with reference log-probs (KL term) and teacher log-probs (distillation)."""
+    samples = to_samples(batch, drop_uniform=job.cfg.trainer.drop_uniform_groups)
+    if job.reference is not None:  # KL to the initial policy, scored by a never-updated engine
+        await asyncio.to_thread(score_reference, job.reference, samples)
+    if job.teachers is not None:
+        from agentflow.teacher_scoring import attach_teacher_scores
+
+        await asyncio.to_thread(attach_teacher_scores, job.teachers, batch, samples)
+    return samples
+
+
+async def _every_steps(job: Job, result: LoopResult, evaluate: Evaluate | None) -> dict[str, Any]:
+    """Periodic work after a step: checkpoints (``run.checkpoint_every``), evaluations (``eval.every_steps``)."""
+    cfg, extra = job.cfg, {}
+    if cfg.run.checkpoint_every and result.steps % cfg.run.checkpoint_every == 0:
+        await save_checkpoint(job, result)
+    if evaluate is not None and cfg.eval.every_steps and result.steps % cfg.eval.every_steps == 0:
+        extra["eval"] = await evaluate()
+        result.evals.append({"step": result.steps, **extra["eval"]})
+    return extra
+
+
+async def save_checkpoint(job: Job, result: LoopResult) -> None:
     """The trainer's state plus the ids it was trained on (what resume leaves out of the journal's replay)."""
     extra = {
         "trained_ids": list(result.trained_ids),
         "step": result.steps,
-        "version": trainer.version,
-        "pending_ids": store.pending_ids(),  # accepted, not yet trained: informative, the journal is authoritative
+        "version": job.trainer.version,
+        "pending_ids": job.store.pending_ids(),  # accepted, not yet trained: informative, the journal is authoritative
     }
-    await asyncio.to_thread(trainer.save_checkpoint, log.checkpoint_path(result.steps), extra)
-
-
-def data_mixture(cfg: Any) -> DataMixture:
-    """The RL data sources of the job (the ``env`` section's env alone when none are configured)."""
-    sources = [
-        DataSource(s.env_id, s.task_set, s.weight, tuple(s.tags), s.name, dict(s.env_kwargs)) for s in cfg.data.sources
-    ] or [DataSource(cfg.env.id, env_kwargs=dict(cfg.env.kwargs))]
-    return DataMixture(sources, seed=cfg.data.seed + cfg.run.seed)
+    await asyncio.to_thread(job.trainer.save_checkpoint, job.metrics.checkpoint_path(result.steps), extra)
 
 
 async def _next_batch(store: TrajectoryStore, feeder: asyncio.Task, close_gate: bool) -> list[Group]:
@@ -113,7 +129,7 @@ async def _next_batch(store: TrajectoryStore, feeder: asyncio.Task, close_gate: 
     raise RuntimeError(f"rollouts stopped: {exc!r}") from exc
 
 
-async def sync_weights(trainer: Any, transport: Any) -> tuple[int, dict[str, Any]]:
+async def sync_weights(trainer: TrainerGroup, transport: WeightTransport) -> tuple[int, dict[str, Any]]:
     """TransferMesh: export HF-named weights, send them as one checksummed version; engines apply all or none.
 
     A refused version raises (``VersionRefused`` names the problem) and the engines keep the previous one.
@@ -174,12 +190,5 @@ def batch_metrics(groups: list[Group]) -> dict[str, float]:
         "partial_ratio": sum(t.min_version() != t.max_version() for t in trajs) / n,
         "partial_span_max": max((t.max_version() - t.min_version() for t in trajs), default=0),
         "recycled": sum(t.info.get("recycled", 0) for t in trajs),
-        **{f"success_{k}": v for k, v in success_by_type(trajs).items()},
+        **{f"success_{k}": v for k, v in per_type_success(outcomes(trajs)).items()},
     }
-
-
-def success_by_type(trajs: list) -> dict[str, float]:
-    by: dict[str, list[bool]] = {}
-    for t in trajs:
-        by.setdefault(str(t.info.get("task_type")), []).append(bool(t.info.get("success")))
-    return {k: sum(v) / len(v) for k, v in sorted(by.items())}

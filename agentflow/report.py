@@ -38,7 +38,8 @@ def plot_success(run_dir: str | Path, out: str | Path | None = None, smooth: int
         ax.scatter(
             [0, last], [s["success_before_rl"], s["success_after_rl"]], color="r", zorder=5, label="held-out, greedy"
         )
-        ax.axhline(s["scripted_policy_success"], color="gray", ls="--", lw=1, label="scripted policy")
+        if s.get("scripted_policy_success") is not None:  # measured when the job warms up on a scripted expert
+            ax.axhline(s["scripted_policy_success"], color="gray", ls="--", lw=1, label="scripted policy")
     ax.set_xlabel("RL step")
     ax.set_ylabel("success")
     ax.set_ylim(-0.02, 1.02)

@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import envs
-from agentflow.agent import EpisodeSpec
 from agentflow.agents import BaseAgent, Episode, WhiteBoxAgent
 from agentflow.chat import ChatTokenizer
+from agentflow.episode import EpisodeSpec
 from agentflow.store import TrajectoryStore
 from agentflow.types import Group, InferenceEngine, SamplingParams, Trajectory
 from envs.tasks import DataMixture, Draw
@@ -101,13 +102,14 @@ class Rollouts:
         max_len: int,
         max_concurrency: int,
         agent: BaseAgent | None = None,
+        retries: int = 2,
     ) -> None:
         self.engine, self.tokenizer, self.pool, self.max_len = engine, tokenizer, pool, max_len
         self.limit = asyncio.Semaphore(max_concurrency)
         self.engine_busy = BusyTracker()
         self.episodes = 0
         self.agent = agent or WhiteBoxAgent()  # started by the job (agents.BaseAgent.start)
-        self.retries = 2
+        self.retries = retries
         """Replays of an episode whose engine or env worker died under it (a restarted worker serves the replay)."""
         self.retried: dict[str, int] = {"engine": 0, "env_worker": 0}
         self.retried_ids: list[str] = []
@@ -205,18 +207,25 @@ class Rollouts:
         return list(await asyncio.gather(*(self.episode(s, sampling) for s in specs)))
 
 
+def outcomes(trajs: Iterable[Trajectory]) -> list[tuple[str, bool]]:
+    """(task type, success) of each trajectory."""
+    return [(str(t.info.get("task_type")), bool(t.info.get("success"))) for t in trajs]
+
+
+def per_type_success(results: Iterable[tuple[str, bool]]) -> dict[str, float]:
+    """Success rate per task type from (task type, success) pairs, sorted by type."""
+    by_type: dict[str, list[bool]] = {}
+    for task_type, ok in results:
+        by_type.setdefault(task_type, []).append(ok)
+    return {k: sum(v) / len(v) for k, v in sorted(by_type.items())}
+
+
 def success_summary(trajs: list[Trajectory]) -> dict[str, Any]:
     """Overall and per-task-type success; errors are counted, not scored."""
-    by_type: dict[str, list[bool]] = {}
-    errors = 0
-    for t in trajs:
-        if t.status == "error":
-            errors += 1
-        by_type.setdefault(str(t.info.get("task_type")), []).append(bool(t.info.get("success")))
     n = len(trajs)
     return {
         "success": sum(bool(t.info.get("success")) for t in trajs) / n if n else 0.0,
         "episodes": n,
-        "errors": errors,
-        "per_type": {k: sum(v) / len(v) for k, v in sorted(by_type.items())},
+        "errors": sum(t.status == "error" for t in trajs),
+        "per_type": per_type_success(outcomes(trajs)),
     }

@@ -15,7 +15,6 @@ Episode length, for the length-bias accounting, is the number of model-generated
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections import Counter
 from dataclasses import dataclass
@@ -347,8 +346,3 @@ class TrajectoryStore:
 
     def histogram(self) -> dict[str, int]:
         return {str(k): v for k, v in sorted(self.staleness_hist.items())}
-
-
-def dump_json(path: str | Path, obj: object) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(obj, indent=2, sort_keys=True))

@@ -31,8 +31,8 @@ import _path  # noqa: F401  (must come before the project's imports: see _path.p
 
 import envs
 from agentflow.config import load_config
-from agentflow.job import run_job
 from agentflow.model_init import ModelInitConfig, init_model
+from agentflow.recipes.rl import run_job
 from envs.demo import CalcEnv
 
 MODES = ("sync", "one_step", "async")

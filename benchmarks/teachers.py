@@ -36,8 +36,8 @@ import torch
 from _memory import PeakRSS
 from safetensors.torch import save_file
 
-from agentflow.distill import EngineScorer
 from agentflow.model_init import ModelInitConfig, _init_weights, count_parameters, init_model
+from agentflow.teacher_scoring import EngineScorer
 from teachers.manager import TeacherManager
 from teachers.routing import Router, parse_routes
 from teachers.types import ScoreRequest, TeacherSpec

@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 from test_proxy_model import TINY, tool_model_dir
 
 import envs
-from agentflow.agent import EpisodeSpec, run_episode
 from agentflow.agents import BlackBoxAgent, Episode, WhiteBoxAgent, make_agent, registered_agents
 from agentflow.chat import ChatTokenizer
 from agentflow.config import load_config
 from agentflow.controller import batch_metrics
 from agentflow.engine.embedded import EmbeddedEngine
+from agentflow.episode import EpisodeSpec, run_episode
 from agentflow.model_init import init_model
 from agentflow.proxy import ProxyServer
 from agentflow.proxy.runner import BlackBoxRunner, CallableProgram, SubprocessProgram
@@ -59,14 +59,14 @@ def test_blackbox_programs_yield_the_white_box_tokens(tool_model):
     """The demo program (a Python callable, and the same loop as a subprocess using the openai client) plays the
     white-box policy through the proxy: with greedy decoding the recorded ids, log-probs and versions are the
     white-box loop's, token for token."""
-    from agentflow.proxy.demo_agent import tool_agent
+    from agentflow.demos.blackbox_agent import tool_agent
 
     spec = EpisodeSpec("ep-0", "g0", 7, env_id="agentflow/Calc-v0")
     env = envs.make("agentflow/Calc-v0")
     with EmbeddedEngine(tool_model, max_slots=4, max_len=512) as engine:
         white = asyncio.run(run_episode(engine, ChatTokenizer(tool_model), env, spec, GREEDY, 512))
     env.close()
-    command = SubprocessProgram([sys.executable, "-m", "agentflow.proxy.demo_agent"], {"PYTHONPATH": str(ROOT)})
+    command = SubprocessProgram([sys.executable, "-m", "agentflow.demos.blackbox_agent"], {"PYTHONPATH": str(ROOT)})
     for program in (CallableProgram(tool_agent), command):
         black = asyncio.run(_blackbox(tool_model, program, spec))
         assert black.status == white.status == "ok", black.error
@@ -130,7 +130,7 @@ def test_demo_blackbox_config_is_the_demo_with_a_blackbox_agent():
 
 
 def test_short_blackbox_rl_job(tiny_model, tmp_path):
-    from agentflow.job import run_job
+    from agentflow.recipes.rl import run_job
 
     cfg = load_config(
         ROOT / "configs/demo-blackbox.yaml",
@@ -221,7 +221,7 @@ def test_malformed_tool_call_gets_the_white_box_error_turn_through_the_proxy(tin
     """A malformed tool call is not the demo agent's answer: as in the white-box loop, the model is told the error
     and the episode goes on, so both agents record the same tokens and the same reward (a malformed call that
     ended the black-box episode with reward 0 made the black-box demo a different, collapse-prone RL problem)."""
-    from agentflow.proxy.demo_agent import tool_agent
+    from agentflow.demos.blackbox_agent import tool_agent
     from envs.demo import make_task
 
     task = make_task(7)

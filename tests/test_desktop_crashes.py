@@ -15,9 +15,9 @@ from test_browser import _require_browser, play_expert
 from test_desktop import play_expert as play_desktop_expert
 from test_desktop import require_desktop
 
-from agentflow.agent import EpisodeSpec, run_episode
 from agentflow.chat import ChatTokenizer
 from agentflow.engine.embedded import EmbeddedEngine
+from agentflow.episode import EpisodeSpec, run_episode
 from agentflow.model_init import ModelInitConfig, init_model
 from agentflow.types import SamplingParams
 

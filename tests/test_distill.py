@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from agentflow.cli import main
-from agentflow.distill import EngineScorer, attach_teacher_scores
 from agentflow.model_init import ModelInitConfig, _init_weights, init_model
+from agentflow.teacher_scoring import EngineScorer, attach_teacher_scores
 from agentflow.types import Group, Segment, Trajectory
 from teachers.manager import TeacherManager
 from teachers.routing import Router, parse_routes
@@ -230,7 +230,7 @@ def _two_source_config(student: Path, teacher: Path, run_dir: Path, extra: list[
 @pytest.mark.slow
 def test_distill_job_end_to_end_on_a_tiny_model(pair, tmp_path):
     """``run_distill`` on two data sources routed to two teachers (budget 1): trains, scores every sample, evals."""
-    from agentflow.distill import run_distill
+    from agentflow.recipes.distill import run_distill
 
     student, teacher = pair
     extra = ["run.steps=2", "store.batch_groups=2", "rollout.group_size=2", "eval.episodes=2"]
@@ -253,7 +253,7 @@ def _seq_kd_config(student: Path, teacher: Path, run_dir: Path, extra: list[str]
 
 
 def test_seq_kd_draws_are_played_by_their_sources_teacher(pair, tmp_path):
-    from agentflow.seq_kd import assign_draws
+    from agentflow.recipes.seq_kd import assign_draws
 
     student, teacher = pair
     cfg = _seq_kd_config(student, teacher, tmp_path / "run")
@@ -280,7 +280,7 @@ def test_seq_kd_episodes_carry_the_teachers_tokens_and_log_probs(pair, tmp_path,
     """The imitation data is the teacher's (a model directory, or a teacher behind our SGLang-protocol server): the
     log-probs recorded with its tokens are the teacher's, not the student's."""
     from agentflow.engine.launch import start_servers, stop_servers
-    from agentflow.seq_kd import split_samples, teacher_episodes
+    from agentflow.recipes.seq_kd import split_samples, teacher_episodes
 
     student, teacher = pair
     cfg = _seq_kd_config(student, teacher, tmp_path / "run", ['teachers.routes={"a": "t", "m": "t"}'])
@@ -311,7 +311,7 @@ def test_seq_kd_episodes_carry_the_teachers_tokens_and_log_probs(pair, tmp_path,
 
 @pytest.mark.slow
 def test_distill_job_with_seq_kd_imitates_then_distills(pair, tmp_path):
-    from agentflow.distill import run_distill
+    from agentflow.recipes.distill import run_distill
 
     student, teacher = pair
     extra = ["run.steps=1", "store.batch_groups=2", "rollout.group_size=2", "eval.episodes=2"]
@@ -326,7 +326,7 @@ def test_distill_job_with_seq_kd_imitates_then_distills(pair, tmp_path):
 
 def test_demo_rl_baseline_gets_as_many_samples_as_distillation():
     from agentflow.config import load_config
-    from agentflow.distill_demo import CONFIG, rl_steps
+    from agentflow.demos.distill import CONFIG, rl_steps
 
     cfg = load_config(CONFIG, [])
     per_step = cfg.store.batch_groups * cfg.rollout.group_size
@@ -343,7 +343,7 @@ def test_seq_kd_needs_enough_episodes_to_hold_some_out():
 
 
 def test_demo_reevaluate_rescores_saved_models_without_training(pair, tmp_path, monkeypatch):
-    from agentflow import distill_demo
+    from agentflow.demos import distill as distill_demo
 
     student, teacher = pair
     root = tmp_path / "distill"

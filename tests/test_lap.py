@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import envs
-from agentflow.agent import EpisodeSpec, run_episode
 from agentflow.chat import ChatTokenizer
 from agentflow.config import load_config
 from agentflow.engine.embedded import EmbeddedEngine
+from agentflow.episode import EpisodeSpec, run_episode
 from agentflow.model_init import ModelInitConfig, init_model
 from agentflow.store import Journal
 from agentflow.types import GenerateResult, SamplingParams
@@ -171,7 +171,7 @@ def _job_cfg(tiny_model, tmp_path, mode: str, steps: int = 4):
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_job_staleness_bound_and_outputs(tiny_model, tmp_path, mode):
-    from agentflow.job import run_job
+    from agentflow.recipes.rl import run_job
 
     cfg = _job_cfg(tiny_model, tmp_path, mode)
     summary = run_job(cfg, log=lambda *_: None)
@@ -236,7 +236,7 @@ def test_behaviour_logprobs_match_trainer_at_rollout_temperature(tiny_model):
 
 
 def test_job_mixes_data_sources_and_carries_tags(tiny_model, tmp_path):
-    from agentflow.job import run_job
+    from agentflow.recipes.rl import run_job
 
     cfg = _job_cfg(tiny_model, tmp_path, "async", steps=2)
     cfg = load_config(

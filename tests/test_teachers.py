@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from agentflow.distill import EngineScorer
 from agentflow.model_init import ModelInitConfig, _init_weights, init_model
+from agentflow.teacher_scoring import EngineScorer
 from teachers.manager import TeacherManager
 from teachers.routing import Router, parse_routes
 from teachers.teacher import check_teacher, tokenizer_fingerprint
@@ -170,8 +170,8 @@ def test_spec_needs_exactly_one_location():
 def test_server_teacher_scores_like_the_embedded_one(family):
     """A teacher behind the SGLang protocol (our server, the same client as for SGLang) through the job's factory."""
     from agentflow.config import load_config
-    from agentflow.distill import make_scorer_factory
     from agentflow.engine.launch import start_servers, stop_servers
+    from agentflow.teacher_scoring import make_scorer_factory
 
     procs, urls = start_servers(family[1], 1, "k", max_slots=1, max_len=128)
     try:

@@ -7,8 +7,8 @@ OpenAI-compatible servers do), and the agent tells the model the parse error in 
 as the white-box loop (agentflow/agent.py) does. So it plays the same policy in the same episode as the white-box
 loop, token for token, through the proxy instead.
 
-As a Python agent: ``agent.entry: agentflow.proxy.demo_agent:tool_agent`` (plain aiohttp, a runtime dependency).
-As a subprocess: ``agent.command: ["{python}", "-m", "agentflow.proxy.demo_agent"]`` (the ``openai`` client).
+As a Python agent: ``agent.entry: agentflow.demos.blackbox_agent:tool_agent`` (plain aiohttp, a runtime dependency).
+As a subprocess: ``agent.command: ["{python}", "-m", "agentflow.demos.blackbox_agent"]`` (the ``openai`` client).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The distillation demo: two teachers trained here on two environments, distilled into one student.
 
-Stages (each cached in ``runs/distill``, run ``python -m agentflow.distill_demo``):
+Stages (each cached in ``runs/distill``, run ``python -m agentflow.demos.distill``):
 
 1. **student**: warm-up SFT of a fresh model on envs.demo's flawed Calc expert (right on add/mul, wrong on
    mod/sub) - the demo's usual starting point. It has never seen the shell env.
@@ -47,20 +47,20 @@ def _cfg(overrides: list[str]) -> JobConfig:
 
 
 def _sft(base: Path, env: str, expert: str, sft: dict[str, Any]) -> Path:
-    from agentflow.job import _pin_threads
-    from agentflow.sft import run_sft
+    from agentflow.builder import pin_threads
+    from agentflow.recipes.warmup import run_sft
 
     env_id, kwargs = ENVS[env]
     over = [f"env.id={env_id}", f"env.kwargs={json.dumps(kwargs)}", f"sft.expert={expert}"]
     over += [f"sft.{k}={v}" for k, v in sft.items()]
     cfg = _cfg(over)
-    _pin_threads(2)
+    pin_threads(2)
     return run_sft(cfg, base, ROOT / "cache")
 
 
 def evaluate(model_dir: Path, env: str, episodes: int = EVAL_EPISODES) -> dict[str, Any]:
     """Greedy held-out success of ``model_dir`` on one of the demo's envs."""
-    from agentflow.job import run_eval
+    from agentflow.recipes.evaluate import run_eval
 
     env_id, kwargs = ENVS[env]
     over = [f"env.id={env_id}", f"env.kwargs={json.dumps(kwargs)}", f"eval.episodes={episodes}", "engine.max_len=1024"]
@@ -91,9 +91,9 @@ def teacher_init() -> Path:
 def train_teachers() -> tuple[Path, Path]:
     """Teacher ``calc``: SFT on the correct Calc expert; teacher ``shell``: SFT on the shell env's expert."""
     init = teacher_init()
-    calc = _sft(init, "calc", "agentflow.distill_experts:calc_expert", {"episodes": 600, "max_epochs": 3,
+    calc = _sft(init, "calc", "agentflow.demos.distill_experts:calc_expert", {"episodes": 600, "max_epochs": 3,
                                                                          "lr": 1e-3, "batch_size": 32})  # fmt: skip
-    shell = _sft(init, "shell", "agentflow.distill_experts:shell_expert", SHELL_SFT)
+    shell = _sft(init, "shell", "agentflow.demos.distill_experts:shell_expert", SHELL_SFT)
     return calc, shell
 
 
@@ -115,7 +115,7 @@ def train_models() -> dict[str, Any]:
 
 def run_jobs(overrides: list[str], which: list[str]) -> dict[str, Any]:
     """Stages 3 and 4: distillation and RL alone from the same student, same steps and batch sizes."""
-    from agentflow.distill import run_distill, run_rl_per_source
+    from agentflow.recipes.distill import run_distill, run_rl_per_source
 
     out = {}
     if "distill" in which:

@@ -144,7 +144,7 @@ class BlackBoxRunner:
         self.proxy, self.program, self.timeout_s, self.max_len = proxy, program, timeout_s, max_len
 
     async def run(self, env: Any, spec: Any, sampling: SamplingParams, attempt: int = 0) -> Trajectory:
-        """Play ``spec`` (an :class:`~agentflow.agent.EpisodeSpec`); always returns a trajectory."""
+        """Play ``spec`` (an :class:`~agentflow.episode.EpisodeSpec`); always returns a trajectory."""
         traj = Trajectory(id=spec.traj_id, task_id=f"{spec.split}:{spec.seed}", group_id=spec.group_id,
                           env_id=spec.env_id, data_source=spec.data_source, tags=list(spec.tags))  # fmt: skip
         t0 = time.perf_counter()

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import envs
+from agentflow.builder import trainer_settings
 from agentflow.chat import IM_END, ChatTokenizer, ToolCall, parse_reply, render_tool_call
 from agentflow.config import JobConfig
 from envs.core import ToolAction, parse_action
-from trainer.types import Sample, TrainerSettings
+from trainer.types import Sample, TrainerGroup
 
 Expert = Callable[[Any, list[tuple[str, str]]], str]
 
@@ -91,11 +92,16 @@ def cache_key(cfg: JobConfig, base_dir: Path) -> str:
         h.update(name.encode())
         h.update(hashlib.sha256((base_dir / name).read_bytes()).digest())
     module = importlib.import_module(cfg.sft.expert.partition(":")[0])
-    h.update(Path(module.__file__).read_bytes())  # the expert's code decides the traces
+    h.update(Path(str(module.__file__)).read_bytes())  # the expert's code decides the traces
     sft = cfg.sft.model_dump(exclude={"threads"})  # thread count does not change the result's meaning
-    payload = {"sft": sft, "env": cfg.env.model_dump(), "seed": cfg.trainer.seed, "v": 2}
+    trainer = cfg.trainer.model_dump(include=IMITATION_TRAINER_KEYS)
+    payload = {"sft": sft, "env": cfg.env.model_dump(), "trainer": trainer, "v": 3}
     h.update(json.dumps(payload, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+IMITATION_TRAINER_KEYS = {"seed", "weight_decay", "grad_clip", "micro_batch_tokens", "tp", "dp"}
+"""The ``trainer`` settings an imitation phase takes from the job (its lr, schedule and threads are its own)."""
 
 
 def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str], None] = print) -> Path:
@@ -129,13 +135,14 @@ def imitate(
     what: str = "SFT",
 ) -> dict[str, Any]:
     """Train ``base_dir`` on ``train`` with the NLL loss (linear warm-up over a tenth of the steps, at most 50, then
-    decay) in a trainer group of its own; the weights with the best ``val`` loss go to ``out``."""
+    decay) in a trainer group of its own, with the job's trainer settings (weight decay, grad clip, micro-batch
+    tokens, parallelism); the weights with the best ``val`` loss go to ``out``."""
     from trainer.launcher import make_trainer_group
 
     steps = max_epochs * -(-len(train) // batch_size)
     warm = min(50, steps // 10)
-    settings = TrainerSettings(
-        lr=lr, seed=cfg.trainer.seed, threads=threads, warmup_steps=warm, decay_steps=steps - warm
+    settings = trainer_settings(
+        cfg, lr=lr, threads=threads, warmup_steps=warm, decay_steps=steps - warm, temperature=1.0
     )
     group = make_trainer_group(base_dir, settings, tp=cfg.trainer.tp, dp=cfg.trainer.dp)
     try:
@@ -145,7 +152,7 @@ def imitate(
 
 
 def train_epochs(
-    group: Any,
+    group: TrainerGroup,
     train: list[Sample],
     val: list[Sample],
     max_epochs: int,
@@ -162,20 +169,20 @@ def train_epochs(
     rng = random.Random(seed)
     best, bad, curve = float("inf"), 0, []
     t0 = time.perf_counter()
-    curve.append({"epoch": 0, "val_loss": group.call("eval_nll", val), "train_loss": None})
+    curve.append({"epoch": 0, "val_loss": group.eval_nll(val), "train_loss": None})
     for epoch in range(1, max_epochs + 1):
         order = list(range(len(train)))
         rng.shuffle(order)
         losses = []
         for i in range(0, len(order), batch_size):
             batch = [train[j] for j in order[i : i + batch_size]]
-            losses.append(group.call("train_step", batch, "sft")["loss"])
-        val_loss = group.call("eval_nll", val)
+            losses.append(group.train_step(batch, "sft")["loss"])
+        val_loss = group.eval_nll(val)
         curve.append({"epoch": epoch, "train_loss": sum(losses) / len(losses), "val_loss": val_loss})
         log(f"{what} epoch {epoch}: train {curve[-1]['train_loss']:.4f} val {val_loss:.4f}")
         if val_loss < best - 1e-4:
             best, bad = val_loss, 0
-            group.call("save_hf", str(out))
+            group.save_hf(str(out))
         else:
             bad += 1
             if bad >= patience:

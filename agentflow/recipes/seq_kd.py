@@ -18,10 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentflow.builder import data_mixture, env_pool
 from agentflow.chat import ChatTokenizer
 from agentflow.config import JobConfig
-from agentflow.controller import data_mixture, to_samples
-from agentflow.distill import env_pool
+from agentflow.controller import to_samples
 from agentflow.rollout import Rollouts, success_summary
 from agentflow.types import Group, InferenceEngine, SamplingParams, Trajectory
 from envs.tasks import Draw
@@ -110,7 +110,7 @@ def run_seq_kd(
     cfg: JobConfig, student_dir: Path, router: Router, out: Path, log: Callable[[str], None] = print
 ) -> tuple[Path, dict[str, Any]]:
     """The imitation phase: returns the imitating student's directory (``out``) and a report."""
-    from agentflow.sft import imitate
+    from agentflow.recipes.warmup import imitate
 
     kd = cfg.teachers.seq_kd
     t0 = time.monotonic()

@@ -1,0 +1,102 @@
+"""What every training recipe does around the loop: the base model, the warm-up, the loop's part of the summary."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import envs
+from agentflow.builder import Job, JobError
+from agentflow.config import JobConfig
+from agentflow.controller import LoopResult
+from agentflow.rollout import overlap_seconds
+
+Log = Callable[[str], None]
+
+
+def ensure_model(cfg: JobConfig) -> Path:
+    """The base model directory; create the small demo model there when allowed and missing."""
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return path
+    if path.exists() and any(path.iterdir()):
+        raise JobError(f"model directory {path} has no config.json (not a Hugging Face model directory)")
+    if not cfg.model.init_if_missing:
+        raise JobError(f"model directory not found: {path} (create one with `agentflow model init {path}`)")
+    from agentflow.model_init import ModelInitConfig, init_model
+
+    return init_model(path, ModelInitConfig(seed=cfg.model.init_seed), env_ids=[cfg.env.id])
+
+
+def check_env_ids(cfg: JobConfig) -> None:
+    """Every env id of the job is registered (``UnknownEnvError`` with "did you mean" otherwise)."""
+    envs.spec(cfg.env.id)
+    for src in cfg.data.sources:
+        envs.spec(src.env_id)
+
+
+def warm_up(cfg: JobConfig, base: Path, run_dir: Path, log: Log) -> tuple[Path, dict[str, Any] | None]:
+    """The policy to train: ``base`` after warm-up SFT (``sft.enabled``; cached by config hash), and its report."""
+    if not cfg.sft.enabled:
+        return base, None
+    from agentflow.recipes.warmup import run_sft
+
+    policy = run_sft(cfg, base, run_dir.parent / "cache", log)
+    report = json.loads((policy / "sft_report.json").read_text())
+    return policy, {k: report[k] for k in ("best_val_loss", "epochs", "curve")}
+
+
+def fault_report(job: Job) -> dict[str, Any]:
+    """What died and what was replayed because of it."""
+    r = job.rollouts
+    return {
+        "retried_episodes": dict(r.retried),
+        "retried_ids": list(r.retried_ids),
+        "lost_after_retries": r.lost_for_good,
+        "engine_restarts": getattr(job.engine, "restarts", 0),
+    }
+
+
+def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
+    """The loop's part of ``summary.json``: staleness, utilisation and overlap, faults, what was trained."""
+    window = (result.start, result.end)
+    engine_spans = job.rollouts.engine_busy.busy_in(*window)
+    trainer_spans = job.trainer_busy.busy_in(*window)
+    wall = max(result.wall_s, 1e-9)
+    sm = job.store.metrics()
+    return {
+        "mode": job.cfg.run.mode,
+        "rl_steps": result.steps,
+        "rl_wall_s": result.wall_s,
+        "mean_staleness": sm["mean_staleness"],
+        "max_staleness_seen": sm["max_staleness_seen"],
+        "staleness_histogram": job.store.histogram(),
+        "stale_steps": job.stale_steps,
+        "dropped_stale_groups": sm["dropped_stale_groups"],
+        "store_collect": job.store.strategy,
+        "length_bias": sm["length_bias"],  # trained / accepted mean episode length (model tokens): 1.0 is unbiased
+        "trained_len_mean": sm["trained_len_mean"],
+        "finished_len_mean": sm["finished_len_mean"],
+        "gate_closures": sm["gate_closures"],
+        "overlap_fraction": overlap_seconds(engine_spans, trainer_spans) / wall,
+        "engine_busy_fraction": sum(b - a for a, b in engine_spans) / wall,
+        "trainer_busy_fraction": sum(b - a for a, b in trainer_spans) / wall,
+        "weight_sync_s_median": sorted(result.sync_s)[len(result.sync_s) // 2] if result.sync_s else None,
+        "trajectories_trained": len(result.trained_ids),
+        "trajectories_pending": len(job.store.pending_ids()),
+        "evals": result.evals,
+        "agent": job.agent.name,
+        "kl_reference": job.reference is not None,
+        "partial": job.cfg.rollout.partial,
+        "recycled": result.recycled,
+        "episode_retries": job.rollouts.retries,
+        "policy_dir": str(job.policy_dir),
+        "faults": fault_report(job),
+        "timeline": {  # busy spans in seconds since the RL loop started (the report's utilisation plot)
+            "engine": [(a - result.start, b - result.start) for a, b in engine_spans],
+            "trainer": [(a - result.start, b - result.start) for a, b in trainer_spans],
+        },
+        "runtime": f"ray ({job.runtime.cluster} cluster)" if job.runtime is not None else "local processes",
+    }

@@ -1,0 +1,120 @@
+"""Held-out evaluation: greedy success per data source, the scripted expert's success, ``agentflow eval``."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import envs
+from agentflow.agents import agent_from_config
+from agentflow.builder import JobError, data_mixture, env_pool, pin_threads
+from agentflow.chat import ChatTokenizer
+from agentflow.config import JobConfig
+from agentflow.episode import EpisodeSpec
+from agentflow.rollout import Rollouts, per_type_success, success_summary
+from agentflow.types import SamplingParams
+from envs.tasks import DataSource
+
+
+def eval_spec(src: DataSource, seed: int) -> EpisodeSpec:
+    """Episode ``seed`` of a data source's held-out (eval) split."""
+    return EpisodeSpec(
+        f"eval-{src.name}-{seed}",
+        f"eval-{src.name}-{seed}",
+        seed,
+        "eval",
+        data_source=src.name,
+        env_id=src.env_id,
+        options={"task_set": src.task_set},
+        tags=src.tags,
+        env_kwargs=dict(src.env_kwargs),
+    )
+
+
+async def evaluate_sources(rollouts: Rollouts, cfg: JobConfig) -> dict[str, dict[str, Any]]:
+    """Greedy held-out success per data source (``eval.episodes`` episodes each, its task set's eval split)."""
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
+    out = {}
+    for src in data_mixture(cfg).sources:
+        specs = [eval_spec(src, seed) for seed in range(cfg.eval.episodes)]
+        trajs = await asyncio.gather(*(rollouts.episode(s, sampling) for s in specs))
+        out[src.name] = success_summary(list(trajs))
+    return out
+
+
+def pooled(per_source: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One summary over every source's episodes (the only one's, for a single-source job)."""
+    n = sum(s["episodes"] for s in per_source.values())
+    types: dict[str, list[tuple[float, int]]] = {}
+    for s in per_source.values():
+        for k, v in s["per_type"].items():
+            types.setdefault(k, []).append((v, s["episodes"]))  # a type's share comes from its sources' episodes
+    return {
+        "success": sum(s["success"] * s["episodes"] for s in per_source.values()) / n if n else 0.0,
+        "episodes": n,
+        "errors": sum(s["errors"] for s in per_source.values()),
+        "per_type": {k: sum(v * e for v, e in xs) / sum(e for _, e in xs) for k, xs in sorted(types.items())},
+    }
+
+
+def scripted_success(cfg: JobConfig, seeds: list[int]) -> dict[str, Any]:
+    """The warm-up's scripted expert on the held-out seeds of the ``env`` section's env (what imitation could reach)."""
+    from agentflow.recipes.warmup import load_expert
+
+    env = envs.make(cfg.env.id, **cfg.env.kwargs)
+    expert = load_expert(cfg.sft.expert)
+    results: list[tuple[str, bool]] = []
+    try:
+        for s in seeds:
+            obs, info = env.reset(seed=s, options={"split": "eval"})
+            history: list[tuple[str, str]] = []
+            term = False
+            step_info: dict[str, Any] = {}
+            reward = 0.0
+            for _ in range(env.max_turns):
+                obs, reward, term, trunc, step_info = env.step(action := expert(env, history))
+                history.append((action, obs))
+                if term or trunc:
+                    break
+            ok = bool(term and step_info.get("success", reward > 0))
+            results.append((str(info["task_type"]), ok))
+    finally:
+        env.close()
+    return {"success": sum(ok for _, ok in results) / len(results), "per_type": per_type_success(results)}
+
+
+async def evaluate_dir(cfg: JobConfig, model_dir: Path) -> dict[str, dict[str, Any]]:
+    """Held-out success per data source of the model in ``model_dir``, played by the job's agent on an engine of
+    its own (closed afterwards)."""
+    from agentflow.engine.factory import make_engine
+
+    engine = make_engine(cfg.engine, model_dir, seed=cfg.run.seed)
+    pool = env_pool(cfg)
+    agent = agent_from_config(cfg)
+    tokenizer = ChatTokenizer(model_dir)
+    try:
+        await agent.start(engine, tokenizer)
+        r = cfg.rollout
+        rollouts = Rollouts(engine, tokenizer, pool, cfg.engine.max_len, r.max_concurrency, agent, r.episode_retries)
+        return await evaluate_sources(rollouts, cfg)
+    finally:
+        await agent.close()
+        engine.close()
+        pool.close()
+
+
+def run_eval(cfg: JobConfig, model_dir: str | None = None) -> dict[str, Any]:
+    """``agentflow eval``: greedy held-out success of a model directory (``eval.episodes`` per data source)."""
+    from agentflow.recipes.common import check_env_ids, ensure_model
+
+    pin_threads(cfg.run.threads)
+    check_env_ids(cfg)
+    path = Path(model_dir) if model_dir else ensure_model(cfg)
+    if not (path / "config.json").is_file():
+        raise JobError(f"model directory not found: {path}")
+    per_source = asyncio.run(evaluate_dir(cfg, path))
+    out = {"model": str(path), **pooled(per_source)}
+    if len(per_source) > 1:
+        out["per_source"] = per_source
+    return out
