@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentflow.engine.qwen2 import KVCache, ModelConfig, load_hf_dir, param_count
+from agentflow.engine.qwen2 import KVCache, load_hf_dir, param_count
+from transfer_mesh.layouts import ModelSpec
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,9 +60,9 @@ def test_config_fields(hf_pair) -> None:
     hf, path = hf_pair
     model = load_hf_dir(path)
     c = model.config
-    assert c.num_kv_heads == 2 and c.head_dim == 16
+    assert c.num_key_value_heads == 2 and c.kv_channels == 16
     assert c.tie_word_embeddings == hf.config.tie_word_embeddings
-    assert c.qkv_bias and c.o_bias == (c.model_type == "llama")
+    assert c.attention_bias and c.o_proj_bias == (c.model_type == "llama")
     assert c.rope_theta == (10000.0 if c.model_type == "qwen2" else 5000.0)
     n_hf = sum(p.numel() for p in hf.parameters())
     assert param_count(c) == n_hf
@@ -70,9 +71,11 @@ def test_config_fields(hf_pair) -> None:
 def test_unsupported_config_rejected() -> None:
     base = {"model_type": "llama", "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 4}
     with pytest.raises(ValueError, match="model_type"):
-        ModelConfig.from_hf({**base, "model_type": "gpt2"})
-    with pytest.raises(ValueError, match="rope_type"):
-        ModelConfig.from_hf({**base, "intermediate_size": 8, "num_hidden_layers": 1, "rope_scaling": {"type": "yarn"}})
+        ModelSpec.from_hf_config({**base, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="rope"):
+        ModelSpec.from_hf_config(
+            {**base, "intermediate_size": 8, "num_hidden_layers": 1, "rope_scaling": {"type": "yarn"}}
+        )
 
 
 def test_forward_paths_match_hf(hf_pair) -> None:

@@ -18,7 +18,6 @@ model's device is used for the forward pass and log-probs come back on the input
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
@@ -34,13 +33,15 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from trainer.dist import init_distributed_cpu, is_rank_zero, tp_rank_and_size
+from transfer_mesh import hf
 from transfer_mesh.layouts import (
     LayoutError,
     ModelSpec,
+    check_megatron_layout,
     hf_to_megatron,
     megatron_shapes,
     megatron_to_hf,
@@ -166,6 +167,7 @@ def make_transformer_config(spec: ModelSpec, device: str = "cpu", bf16: bool = F
     On ``cuda``: optionally bf16, and ``calculate_per_token_loss`` so that Megatron DDP *sums* gradients over DP
     ranks (every rank's loss is already divided by the global token count).
     """
+    check_megatron_layout(spec)  # a spec built by hand, not read by load_hf_dir, is checked here
     on_cuda = device == "cuda"
     return TransformerConfig(
         num_layers=spec.num_hidden_layers,
@@ -296,23 +298,10 @@ def _build_cuda_model(spec: ModelSpec, seed: int, bf16: bool, layer_spec: str) -
 
 
 def load_hf_dir(path: str | Path) -> tuple[ModelSpec, dict[str, Tensor]]:
-    """Read ``config.json`` and every ``*.safetensors`` of an HF model directory (tensors as stored)."""
-    root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"HF model directory not found: {root}")
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"no config.json in HF model directory {root}")
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in HF model directory {root}")
-    spec = ModelSpec.from_hf_config(json.loads(config_path.read_text()))
-    state: dict[str, Tensor] = {}
-    for file in files:
-        for name, tensor in load_file(str(file)).items():
-            if name in state:
-                raise LayoutError(f"tensor {name} appears in more than one file of {root}")
-            state[name] = tensor
+    """Read an HF model directory (:func:`transfer_mesh.hf.load_hf_dir`: tensors as stored) that the trainer can
+    build: a model megatron cannot hold is refused here, before any model is built."""
+    spec, state = hf.load_hf_dir(path)
+    check_megatron_layout(spec)
     return spec, state
 
 

@@ -70,6 +70,11 @@ class ModelSpec:
         """Query heads per KV group."""
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether ``o_proj`` has a bias: Llama's ``attention_bias`` covers q, k, v and o; Qwen2's only q, k, v."""
+        return self.attention_bias and self.model_type == "llama"
+
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelSpec:
         """Read a spec from an HF ``config.json`` dict (transformers 4.x ``rope_theta`` or 5.x ``rope_parameters``)."""
@@ -100,7 +105,8 @@ class ModelSpec:
 
 
 def _check_supported_features(config: Mapping[str, Any]) -> None:
-    """Reject HF configs whose features the megatron local-spec GPTModel cannot reproduce."""
+    """Reject HF configs with features that no model code here implements (neither the engine's decoder nor the
+    trainer's GPTModel). What only megatron lacks is refused by :func:`check_megatron_layout`."""
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r} (only 'silu')")
@@ -110,8 +116,6 @@ def _check_supported_features(config: Mapping[str, Any]) -> None:
         raise ValueError(f"unsupported rope scaling type {rope_type!r} (only 'default')")
     if config.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=True")
-    if config.get("model_type") == "llama" and config.get("attention_bias"):
-        raise ValueError("unsupported llama attention_bias=True (it also biases o_proj, which megatron cannot)")
     if config.get("use_sliding_window"):
         raise ValueError("unsupported use_sliding_window=True")
 
@@ -143,6 +147,8 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             out[p + "self_attn.k_proj.bias"] = (kv_out,)
             out[p + "self_attn.v_proj.bias"] = (kv_out,)
         out[p + "self_attn.o_proj.weight"] = (h, q_out)
+        if spec.o_proj_bias:
+            out[p + "self_attn.o_proj.bias"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
         out[p + "mlp.gate_proj.weight"] = (inter, h)
         out[p + "mlp.up_proj.weight"] = (inter, h)
@@ -153,8 +159,18 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def check_megatron_layout(spec: ModelSpec) -> None:
+    """Raise LayoutError for a model that megatron-core's GPTModel cannot hold.
+
+    Llama's ``attention_bias`` also biases ``o_proj``; megatron's only switch for that bias adds MLP biases as well.
+    """
+    if spec.o_proj_bias:
+        raise LayoutError("unsupported llama attention_bias=True (it also biases o_proj, which megatron cannot)")
+
+
 def megatron_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every megatron-core GPTModel (local spec, TP=1) parameter name with its full shape."""
+    check_megatron_layout(spec)
     h, d, inter = spec.hidden_size, spec.kv_channels, spec.intermediate_size
     qkv_out = (spec.num_attention_heads + 2 * spec.num_key_value_heads) * d
     out: dict[str, tuple[int, ...]] = {"embedding.word_embeddings.weight": (spec.vocab_size, h)}
@@ -249,6 +265,7 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], spec: ModelSpec) -> dict[str,
 
     With tied embeddings an ``lm_head.weight`` entry (HF ``state_dict()`` includes it) is accepted and dropped.
     """
+    check_megatron_layout(spec)
     state = dict(hf_state)
     if spec.tie_word_embeddings:
         state.pop("lm_head.weight", None)

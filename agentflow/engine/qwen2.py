@@ -8,14 +8,15 @@ layer loop and differ only in how attention sees keys and values:
 - :meth:`DecoderModel.forward_full`: one sequence, no cache (scoring);
 - :meth:`DecoderModel.prefill`: one sequence (or its uncached suffix) written into a cache slot at given positions;
 - :meth:`DecoderModel.decode`: one new token for each of a set of slots, each at its own position.
+
+The architecture is :class:`transfer_mesh.layouts.ModelSpec` and a directory is read by :mod:`transfer_mesh.hf`, the
+same as the trainer's, so the engine and the trainer agree on what a checkpoint is and on its tensor names and shapes.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,119 +24,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
-_SUPPORTED_TYPES = ("qwen2", "llama")
+from transfer_mesh import hf
+from transfer_mesh.layouts import ModelSpec, hf_shapes
 
 #: Per-layer attention: (layer index, q [N, heads, hd], k [N, kv_heads, hd], v [N, kv_heads, hd]) -> [N, heads * hd].
 AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture fields the decoder needs, read from a Hugging Face ``config.json``."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 0
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a ``config.json`` dict; raise ValueError for what this decoder does not implement."""
-        model_type = cfg.get("model_type", "")
-        if model_type not in _SUPPORTED_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; supported: {_SUPPORTED_TYPES}")
-        act = cfg.get("hidden_act", "silu")
-        if act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {act!r}")
-        if cfg.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported")
-        if model_type == "qwen2" and cfg.get("use_sliding_window"):
-            raise ValueError("sliding-window attention is not supported")
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        attention_bias = bool(cfg.get("attention_bias", False))
-        return cls(
-            model_type=model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(cfg),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if model_type == "qwen2" else attention_bias,
-            o_bias=False if model_type == "qwen2" else attention_bias,
-            hidden_act=act,
-            max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
-        )
-
-    def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every parameter's Hugging Face name and shape (``lm_head.weight`` only when untied)."""
-        h, hd, kvd = self.hidden_size, self.head_dim, self.num_kv_heads * self.head_dim
-        qd = self.num_heads * hd
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
-        for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            shapes[p + "self_attn.q_proj.weight"] = (qd, h)
-            shapes[p + "self_attn.k_proj.weight"] = (kvd, h)
-            shapes[p + "self_attn.v_proj.weight"] = (kvd, h)
-            shapes[p + "self_attn.o_proj.weight"] = (h, qd)
-            if self.qkv_bias:
-                shapes[p + "self_attn.q_proj.bias"] = (qd,)
-                shapes[p + "self_attn.k_proj.bias"] = (kvd,)
-                shapes[p + "self_attn.v_proj.bias"] = (kvd,)
-            if self.o_bias:
-                shapes[p + "self_attn.o_proj.bias"] = (h,)
-            shapes[p + "mlp.gate_proj.weight"] = (self.intermediate_size, h)
-            shapes[p + "mlp.up_proj.weight"] = (self.intermediate_size, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, self.intermediate_size)
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes["model.norm.weight"] = (h,)
-        if not self.tie_word_embeddings:
-            shapes["lm_head.weight"] = (self.vocab_size, h)
-        return shapes
-
-
-def _rope_theta(cfg: dict[str, Any]) -> float:
-    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r} (only the default RoPE is implemented)")
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-
-
 class KVCache:
     """Preallocated keys and values: ``[layers, 2, max_slots, kv_heads, max_len, head_dim]`` (fp32)."""
 
-    def __init__(self, config: ModelConfig, max_slots: int, max_len: int) -> None:
+    def __init__(self, config: ModelSpec, max_slots: int, max_len: int) -> None:
         if max_slots < 1 or max_len < 2:
             raise ValueError(f"need max_slots >= 1 and max_len >= 2, got {max_slots}, {max_len}")
         self.max_slots = max_slots
         self.max_len = max_len
-        shape = (config.num_layers, 2, max_slots, config.num_kv_heads, max_len, config.head_dim)
+        shape = (config.num_hidden_layers, 2, max_slots, config.num_key_value_heads, max_len, config.kv_channels)
         self.data = torch.zeros(shape, dtype=torch.float32)
 
     def nbytes(self) -> int:
@@ -153,22 +57,22 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _fused_storage(config: ModelConfig) -> tuple[dict[str, Tensor], list[tuple[Tensor, Tensor | None, Tensor]]]:
+def _fused_storage(config: ModelSpec) -> tuple[dict[str, Tensor], list[tuple[Tensor, Tensor | None, Tensor]]]:
     """Zeroed fp32 parameters by Hugging Face name, where each layer's q/k/v (weights and biases) and gate/up
     weights are row views of one tensor; also those fused tensors per layer ``(qkv_w, qkv_b, gate_up_w)``.
 
     The names stay the unit of loading and of weight updates (a view's ``copy_`` writes into the fused tensor).
     """
-    shapes = config.param_shapes()
+    shapes = hf_shapes(config)
     params: dict[str, Tensor] = {}
     fused: list[tuple[Tensor, Tensor | None, Tensor]] = []
-    for i in range(config.num_layers):
+    for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
         qkv_rows = sum(shapes[n + ".weight"][0] for n in qkv)
         qkv_w = _rows_of(params, torch.zeros(qkv_rows, config.hidden_size), [n + ".weight" for n in qkv], shapes)
         qkv_b = None
-        if config.qkv_bias:
+        if config.attention_bias:
             qkv_b = _rows_of(params, torch.zeros(qkv_w.shape[0]), [n + ".bias" for n in qkv], shapes)
         gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         gate_up_w = _rows_of(params, torch.zeros(2 * config.intermediate_size, config.hidden_size), gate_up, shapes)
@@ -192,15 +96,14 @@ def _rows_of(params: dict[str, Tensor], whole: Tensor, names: list[str], shapes:
 class DecoderModel:
     """A Qwen2/Llama causal LM over a flat dict of fp32 tensors named as in Hugging Face checkpoints."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, Tensor]) -> None:
+    def __init__(self, config: ModelSpec, weights: dict[str, Tensor]) -> None:
         self.config = config
         problem = validate_weights(config, weights)
         if problem:
             raise ValueError(problem)
         self.params, self._fused = _fused_storage(config)
         self.load_(weights)
-        self._act = _ACTIVATIONS[config.hidden_act]
-        hd = config.head_dim
+        hd = config.kv_channels
         self._inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
 
     def _p(self, name: str) -> Tensor | None:
@@ -226,7 +129,7 @@ class DecoderModel:
     def _layers(self, ids: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
         """Run every decoder layer on ``N`` tokens; return final-normed hidden states ``[N, hidden]``."""
         c = self.config
-        n, nq, nkv = ids.shape[0], c.num_heads, c.num_kv_heads
+        n, nq, nkv = ids.shape[0], c.num_attention_heads, c.num_key_value_heads
         x = F.embedding(ids, self.params["model.embed_tokens.weight"])
         cos, sin = self._rope(positions)
         for i, (qkv_w, qkv_b, gate_up_w) in enumerate(self._fused):
@@ -234,14 +137,15 @@ class DecoderModel:
             h = rms_norm(x, self.params[p + "input_layernorm.weight"], c.rms_norm_eps)
             # q, k and v in one matmul, and RoPE on q and k together: at decode batch sizes a step is mostly
             # per-op overhead, so fewer, larger ops are what makes it faster
-            qkv = F.linear(h, qkv_w, qkv_b).view(n, nq + 2 * nkv, c.head_dim)
+            qkv = F.linear(h, qkv_w, qkv_b).view(n, nq + 2 * nkv, c.kv_channels)
             qk = qkv[:, : nq + nkv]
             qk = qk * cos + _rotate_half(qk) * sin
             a = attend(i, qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :])
             x = x + F.linear(a, self.params[p + "self_attn.o_proj.weight"], self._p(p + "self_attn.o_proj.bias"))
             h = rms_norm(x, self.params[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
             gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
-            x = x + F.linear(self._act(gate) * up, self.params[p + "mlp.down_proj.weight"])
+            # silu: ModelSpec admits no other activation
+            x = x + F.linear(F.silu(gate) * up, self.params[p + "mlp.down_proj.weight"])
         return rms_norm(x, self.params["model.norm.weight"], c.rms_norm_eps)
 
     @torch.inference_mode()
@@ -388,14 +292,14 @@ def _decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | No
     return torch.matmul(torch.softmax(scores, dim=-1), values).view(rows, heads, hd)
 
 
-def validate_weights(config: ModelConfig, weights: dict[str, Any], check_finite: bool = True) -> str | None:
+def validate_weights(config: ModelSpec, weights: dict[str, Any], check_finite: bool = True) -> str | None:
     """Check a full set of HF-named tensors against ``config``; return the first problem found, or None.
 
     Every parameter must be present with its exact shape, floating point and finite; unknown names are
     rejected (``lm_head.weight`` is tolerated, and ignored, for tied embeddings). ``check_finite=False`` skips
     only the finiteness scan (a read of every byte), for callers that already made it on these very tensors.
     """
-    expected = config.param_shapes()
+    expected = hf_shapes(config)
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     unknown = sorted(set(weights) - set(expected) - optional)
     if unknown:
@@ -420,25 +324,13 @@ def validate_weights(config: ModelConfig, weights: dict[str, Any], check_finite:
 
 
 def load_hf_dir(path: str | Path) -> DecoderModel:
-    """Load ``config.json`` and every ``*.safetensors`` file of a Hugging Face model directory (cast to fp32)."""
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    config_path = root / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"no config.json in model directory {str(root)!r}")
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in model directory {str(root)!r}")
-    config = ModelConfig.from_hf(json.loads(config_path.read_text()))
-    weights: dict[str, Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
+    """The decoder of a Hugging Face model directory (read by :func:`transfer_mesh.hf.load_hf_dir`; fp32 copies)."""
+    config, weights = hf.load_hf_dir(path)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     return DecoderModel(config, weights)
 
 
-def param_count(config: ModelConfig) -> int:
+def param_count(config: ModelSpec) -> int:
     """Number of parameters (tied embeddings counted once)."""
-    return sum(math.prod(s) for s in config.param_shapes().values())
+    return sum(math.prod(s) for s in hf_shapes(config).values())
