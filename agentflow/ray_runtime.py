@@ -29,9 +29,12 @@ import time
 import uuid
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from agentflow.types import GenerateResult, SamplingParams
+from agentflow.types import GenerateResult, InferenceEngine, PauseMode, SamplingParams, ScoreResult
+
+if TYPE_CHECKING:
+    from trainer.types import Sample
 
 try:  # ray is an optional dependency (the ``ray`` extra); importing this module without it fails at use
     import ray
@@ -39,7 +42,7 @@ try:  # ray is an optional dependency (the ``ray`` extra); importing this module
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError:  # pragma: no cover - exercised only where ray is missing
-    ray = None
+    ray = cast(Any, None)
 
 LOST = (RayActorError, ActorDiedError, ActorUnavailableError) if ray is not None else ()
 
@@ -117,7 +120,7 @@ class EngineActor:
     def __init__(self, engine_cfg: Any, model_dir: str, seed: int) -> None:
         from agentflow.engine.factory import make_engine
 
-        self.engine = make_engine(engine_cfg, model_dir, seed=seed)
+        self.engine: InferenceEngine = make_engine(engine_cfg, model_dir, seed=seed)
         self.incarnation = uuid.uuid4().hex
 
     def info(self) -> dict[str, Any]:
@@ -130,11 +133,20 @@ class EngineActor:
         self.engine.update_weights(version, named)
         return self.incarnation
 
-    def call(self, method: str, *args: Any) -> Any:
-        """pause / resume / flush_cache / score / abort: the engine's own method."""
-        if method not in ("pause", "resume", "flush_cache", "score", "abort"):
-            raise AttributeError(f"engine method {method!r} is not remote-callable")
-        return getattr(self.engine, method)(*args)
+    def pause(self, mode: PauseMode) -> None:
+        self.engine.pause(mode)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def flush_cache(self) -> bool:
+        return self.engine.flush_cache()
+
+    def score(self, ids: list[int], start: int, top_k: int) -> ScoreResult:
+        return self.engine.score(ids, start, top_k)
+
+    def abort(self, rid: str) -> None:
+        self.engine.abort(rid)
 
 
 class EnvWorker:
@@ -168,19 +180,43 @@ class EnvWorker:
 
 
 class TrainerActor:
-    """The trainer group (one or ``tp * dp`` processes) launched from inside a Ray actor."""
+    """The trainer group (one or ``tp * dp`` processes) launched from inside a Ray actor.
+
+    Each :class:`trainer.types.TrainerGroup` method returns ``(its result, the version after it)``, so the
+    controller-side :class:`RayTrainerGroup` keeps the version without another round trip.
+    """
 
     def __init__(self, model_dir: str, settings: Any, tp: int, dp: int) -> None:
         from trainer.launcher import make_trainer_group
 
         self.group = make_trainer_group(model_dir, settings, tp=tp, dp=dp)
 
-    def call(self, method: str, *args: Any) -> Any:
-        """A :class:`trainer.types.TrainerGroup` method; returns its result and the version after it."""
-        if method not in ("version", "train_step", "export_weights", "save_checkpoint", "load_checkpoint"):
-            raise AttributeError(f"trainer method {method!r} is not remote-callable")
-        out = self.group.version if method == "version" else getattr(self.group, method)(*args)
-        return out, self.group.version
+    def _out(self, result: Any) -> tuple[Any, int]:
+        return result, self.group.version
+
+    def version(self) -> tuple[int, int]:
+        return self._out(self.group.version)
+
+    def train_step(self, samples: list[Sample], loss: str | None) -> tuple[dict[str, float], int]:
+        return self._out(self.group.train_step(samples, loss))
+
+    def export_weights(self) -> tuple[dict[str, Any], int]:
+        return self._out(self.group.export_weights())
+
+    def export_buckets(self, bucket_bytes: int) -> tuple[list[Any], int]:
+        return self._out(self.group.export_buckets(bucket_bytes))
+
+    def save_checkpoint(self, path: str, extra: dict[str, Any] | None) -> tuple[None, int]:
+        return self._out(self.group.save_checkpoint(path, extra))
+
+    def load_checkpoint(self, path: str) -> tuple[dict[str, Any], int]:
+        return self._out(self.group.load_checkpoint(path))
+
+    def save_hf(self, path: str) -> tuple[Path, int]:
+        return self._out(self.group.save_hf(path))
+
+    def eval_nll(self, samples: list[Sample]) -> tuple[float, int]:
+        return self._out(self.group.eval_nll(samples))
 
     def pids(self) -> list[int]:
         return [os.getpid(), *self.group.pids()]
@@ -264,27 +300,33 @@ class RayEngine:
                 self._recover(k)
         self._version = version
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        """``method`` on every live engine; a dead one is skipped (it comes back with the newest weights anyway)."""
+    def _all(self, refs: list[Any]) -> list[Any]:
+        """The answers of one call on every engine; a dead one answers None (it comes back with the newest weights
+        anyway)."""
         out = []
-        for call in [a.call.remote(method, *args) for a in self.actors]:
+        for ref in refs:
             try:
-                out.append(ray.get(call))
+                out.append(ray.get(ref))
             except LOST:
                 out.append(None)
         return out
 
-    def pause(self, mode: str = "in_place") -> None:
-        self._all("pause", mode)
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        self._all([a.pause.remote(mode) for a in self.actors])
 
     def resume(self) -> None:
-        self._all("resume")
+        self._all([a.resume.remote() for a in self.actors])
 
     def flush_cache(self) -> bool:
-        return all(r is not False for r in self._all("flush_cache"))
+        return all(r is not False for r in self._all([a.flush_cache.remote() for a in self.actors]))
 
-    def score(self, ids: list[int], start: int, top_k: int = 0) -> Any:
-        return ray.get(self.actors[0].call.remote("score", ids, start, top_k))
+    def score(self, ids: list[int], start: int, top_k: int = 0) -> ScoreResult:
+        result: ScoreResult = ray.get(self.actors[0].score.remote(list(ids), start, top_k))
+        return result
+
+    def abort(self, rid: str) -> None:
+        """Abort ``rid`` on the engine its trajectory sticks to (a dead engine has nothing left to abort)."""
+        self._all([self.actors[self._pick(rid)].abort.remote(rid)])
 
     def pids(self) -> list[int]:
         return [i["pid"] for i in ray.get([a.info.remote() for a in self.actors])]
@@ -300,7 +342,8 @@ class RemoteEnv:
     def __init__(self, worker: Any, env_id: str, kwargs: dict[str, Any]) -> None:
         self.worker, self.env_id, self.kwargs = worker, env_id, kwargs
         self.handle = uuid.uuid4().hex
-        self.system_prompt, self.tools, self.max_turns = "", [], 1
+        self.system_prompt, self.max_turns = "", 1
+        self.tools: list[Any] = []
         self.lost = False
         self._agentflow_pool_key = ""
 
@@ -374,32 +417,43 @@ class RayTrainerGroup:
     def __init__(self, actor: Any) -> None:
         self.actor = actor
         self._version = 0
-        self._version = self._call("version")
+        self._version = self._get("version", actor.version.remote())
 
     @property
     def version(self) -> int:
         return self._version
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _get(self, what: str, ref: Any) -> Any:
+        """The result of one actor call (which also brings the version after it)."""
         from trainer.launcher import TrainerError
 
         try:
-            out, self._version = ray.get(self.actor.call.remote(method, *args))
+            out, self._version = ray.get(ref)
         except LOST as e:
-            raise TrainerError(f"the trainer actor died during '{method}': {e}") from e
+            raise TrainerError(f"the trainer actor died during '{what}': {e}") from e
         return out
 
-    def train_step(self, samples: list[Any], loss: str | None = None) -> dict[str, float]:
-        return self._call("train_step", samples, loss)
+    def train_step(self, samples: list[Sample], loss: str | None = None) -> dict[str, float]:
+        return self._get("train_step", self.actor.train_step.remote(samples, loss))
 
     def export_weights(self) -> dict[str, Any]:
-        return self._call("export_weights")
+        return self._get("export_weights", self.actor.export_weights.remote())
 
-    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
-        self._call("save_checkpoint", path, extra)
+    def export_buckets(self, bucket_bytes: int = 32 << 20) -> list[Any]:
+        return self._get("export_buckets", self.actor.export_buckets.remote(bucket_bytes))
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        return self._call("load_checkpoint", path)
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        self._get("save_checkpoint", self.actor.save_checkpoint.remote(str(path), extra))
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        return self._get("load_checkpoint", self.actor.load_checkpoint.remote(str(path)))
+
+    def save_hf(self, path: str | Path) -> Path:
+        """The HF directory is written where the trainer actor runs (the same filesystem on one node)."""
+        return Path(self._get("save_hf", self.actor.save_hf.remote(str(path))))
+
+    def eval_nll(self, samples: list[Sample]) -> float:
+        return float(self._get("eval_nll", self.actor.eval_nll.remote(samples)))
 
     def pids(self) -> list[int]:
         return ray.get(self.actor.pids.remote())

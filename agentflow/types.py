@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -67,29 +68,90 @@ class ScoreResult:
     weight_version: int = 0
 
 
+#: Called after each sampled token by engines that stream (:class:`StreamingEngine`): (token id, behaviour
+#: log-prob, weight version).
+OnToken = Callable[[int, float, int], None]
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
-    """Token-in/token-out generation. The embedded engine and the SGLang client both implement this."""
+    """Token-in/token-out generation: what every engine offers (embedded, SGLang client, Ray engines).
+
+    Engine-specific extras are separate protocols: :class:`StreamingEngine` (per-token callback),
+    :class:`RecyclingEngine` (aborts stale generations on an update), :class:`SupervisedEngine` (engines in
+    restartable worker processes).
+    """
 
     @property
-    def weight_version(self) -> int: ...
+    def weight_version(self) -> int:
+        """The version of the weights the next logits will be computed with."""
+        ...
 
-    async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None
-    ) -> GenerateResult: ...
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, rid: str | None = None) -> GenerateResult:
+        """Generate from ``input_ids``; cancelling the awaiting task aborts the request. Requests whose ``rid``
+        share the part before ``:`` belong to one trajectory (engines may route them together)."""
+        ...
 
-    def score(self, ids: list[int], start: int, top_k: int = 0) -> ScoreResult: ...
+    def score(self, ids: list[int], start: int, top_k: int = 0) -> ScoreResult:
+        """Log-probs of ``ids[start:]`` each given its prefix, with ``top_k`` alternatives if > 0."""
+        ...
 
-    def pause(self, mode: PauseMode = "in_place") -> None: ...
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        """Stop generating (``abort``: finish in-flight requests now; ``retract``: keep them, drop their KV;
+        ``in_place``: keep them and their KV) until :meth:`resume`."""
+        ...
 
     def resume(self) -> None: ...
 
-    def abort(self, rid: str) -> None: ...
+    def abort(self, rid: str) -> None:
+        """Finish request ``rid`` with ``finish_reason="abort"`` and its partial output; unknown ids are ignored."""
+        ...
 
-    def flush_cache(self) -> None: ...
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; True when it was dropped."""
+        ...
 
     def update_weights(self, version: int, named_tensors: dict[str, Any]) -> None:
         """Apply a whole version (HF names -> tensors) between decode steps, or raise and keep the old one."""
+        ...
+
+    def close(self) -> None:
+        """Release the engine (threads, sessions, workers); requests still in flight end aborted."""
+        ...
+
+
+@runtime_checkable
+class StreamingEngine(InferenceEngine, Protocol):
+    """An engine whose ``generate`` also reports every token as it is sampled (the embedded engine)."""
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        rid: str | None = None,
+        on_token: OnToken | None = None,
+    ) -> GenerateResult: ...
+
+
+@runtime_checkable
+class RecyclingEngine(InferenceEngine, Protocol):
+    """An engine that can abort, at a weight update, the generations already holding old-version tokens (partial
+    rollouts recycled by the caller)."""
+
+    abort_on_update: bool
+
+
+@runtime_checkable
+class SupervisedEngine(InferenceEngine, Protocol):
+    """Engines in worker processes that a supervisor restarts (Ray): episodes can be lost under a restart."""
+
+    lost: set[str]
+    """Trajectory ids whose engine died under them (the rollout layer retries them and discards the ids)."""
+    restarts: int
+    """How many engine restarts were seen."""
+
+    def pids(self) -> list[int]:
+        """Process ids of the engine workers."""
         ...
 
 

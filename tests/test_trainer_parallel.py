@@ -26,7 +26,7 @@ from transfer_mesh.layouts import ModelSpec, hf_to_megatron, megatron_shapes, sp
 TOL = 1e-5
 TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176)
 # lr large enough that one Adam step moves every weight by ~1e-3 (100x the tolerance); clip far below the norm
-SETTINGS = TrainerSettings(lr=1e-3, grad_clip=0.05, threads=1, micro_batch_tokens=40)
+SETTINGS = TrainerSettings(lr=1e-3, grad_clip=0.05, threads=1, micro_batch_tokens=64)  # 2 micro-batches
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +54,27 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dir: Path) -> dict:
-    """One rank (LocalTrainerGroup from the factory): metrics and weights after one SFT step."""
+def reference(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One rank (LocalTrainerGroup from the factory): validation NLL, then metrics and weights after one SFT step."""
     group = make_trainer_group(tiny_dir, SETTINGS, device="cpu")
     try:
         assert isinstance(group, LocalTrainerGroup)
         before = group.export_weights()
+        nll = group.eval_nll(_batch())
         metrics = group.train_step(_batch(), "sft")
-        return {"metrics": metrics, "before": before, "after": group.export_weights()}
+        assert group.version == 1
+        after = group.export_weights()
+        hf = group.save_hf(tmp_path_factory.mktemp("hf") / "model")
+        _check_hf_dir(hf, after)
+        return {"metrics": metrics, "before": before, "after": after, "nll": nll}
     finally:
         group.close()
+
+
+def _check_hf_dir(out: Path, weights: dict[str, torch.Tensor]) -> None:
+    """``save_hf`` wrote a loadable HF directory holding exactly ``weights``."""
+    assert (out / "config.json").is_file()
+    assert _max_diff(load_file(str(out / "model.safetensors")), weights) < TOL
 
 
 def _check_same_step(metrics: dict, weights: dict, reference: dict) -> None:
@@ -100,9 +111,11 @@ def test_tensor_parallel_2_matches_one_rank(tiny_dir: Path, reference: dict, tmp
         assert [(i["tp_rank"], i["tp_size"], i["dp_size"]) for i in info] == [(0, 2, 1), (1, 2, 1)]
         _check_tp_shards(group.call_all("rank_shards"), full, 2)
         assert set(full) == set(megatron_shapes(spec))
+        assert abs(group.eval_nll(_batch()) - reference["nll"]) < TOL  # a collective under TP, like the step
         metrics = group.train_step(_batch(), "sft")
         weights = group.export_weights()
         _check_same_step(metrics, weights, reference)
+        _check_hf_dir(group.save_hf(tmp_path / "hf"), weights)  # the shards gathered, rank 0 writes
         # after the step the shards are still those of the (gathered) full weights: replicated ones stayed equal
         _check_tp_shards(group.call_all("rank_shards"), hf_to_megatron(weights, spec), 2)
         assert [i["last_dp_shard"] for i in group.call_all("rank_info")] == [list(range(6))] * 2

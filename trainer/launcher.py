@@ -113,10 +113,13 @@ def _serve(
 
 
 class _TrainerCalls:
-    """What both trainer groups offer on top of their ``call``: the :class:`trainer.types.TrainerGroup` methods."""
+    """The :class:`trainer.types.TrainerGroup` methods, as named calls over each group's ``call`` transport."""
 
     _version: int
-    call: Any  # each group's own request/response to its rank(s)
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """The group's transport: run ``method`` in the trainer rank(s), return rank 0's answer (each group's own)."""
+        raise NotImplementedError
 
     @property
     def version(self) -> int:
@@ -133,6 +136,14 @@ class _TrainerCalls:
 
     def export_buckets(self, bucket_bytes: int = 32 << 20) -> list[Any]:
         return self.call("export_buckets", bucket_bytes)
+
+    def save_hf(self, path: str | Path) -> Path:
+        """Write an HF model directory at ``path`` (a collective under TP; global rank 0 writes)."""
+        return Path(self.call("save_hf", str(path)))
+
+    def eval_nll(self, samples: list[Sample]) -> float:
+        """Mean NLL of the samples' model tokens, without an update (SFT validation loss)."""
+        return float(self.call("eval_nll", samples))
 
 
 class LocalTrainerGroup(_TrainerCalls):
@@ -177,11 +188,11 @@ class LocalTrainerGroup(_TrainerCalls):
         """:meth:`call` as a list of every rank's answer (one rank here)."""
         return [self.call(method, *args, timeout=timeout, **kwargs)]
 
-    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
-        self.call("save_checkpoint", path, extra)
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        self.call("save_checkpoint", str(path), extra)
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
-        extra = self.call("load_checkpoint", path)
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        extra = self.call("load_checkpoint", str(path))
         self._version = self.call("rank_info")["version"]
         return extra
 
@@ -286,10 +297,10 @@ class ParallelTrainerGroup(_TrainerCalls):
         while len(replies) < self.world:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = wait([c for r, c in enumerate(self._conns) if r not in replies], left)
-            for conn in ready:
-                rank = index[id(conn)]
+            for obj in ready:
+                rank = index[id(obj)]
                 try:
-                    replies[rank] = conn.recv()
+                    replies[rank] = self._conns[rank].recv()
                 except EOFError:
                     replies[rank] = ("dead", f"process exited (exit code {self._procs[rank].exitcode})")
             if any(s != "ok" for s, _ in replies.values()):
@@ -336,11 +347,11 @@ class ParallelTrainerGroup(_TrainerCalls):
         self._send(method, args, kwargs, want_all=True)
         return self._collect(method, timeout)
 
-    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None:
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         """One file per TP rank (``path`` itself at TP=1, else ``stem.tpR.suffix``), written by DP rank 0's ranks."""
         self.call("rank_save_checkpoint", str(path), extra)
 
-    def load_checkpoint(self, path: str) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Every rank loads its TP rank's file; returns the saved ``extra``."""
         extra = self.call("load_checkpoint" if self.tp == 1 else "rank_load_checkpoint", str(path))
         self._version = self.call("rank_info")["version"]

@@ -7,6 +7,7 @@ trajectory segment into a :class:`Sample`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from trainer.config import LossSettings, TrainerSettings
@@ -54,21 +55,50 @@ class Sample:
 
 
 class TrainerGroup(Protocol):
-    """The trainer's process group as the controller sees it (local processes here; Ray actors later)."""
+    """The trainer's process group as its callers see it: one local process, ``tp * dp`` ranks, or a Ray actor.
+
+    Every method is a named call (no string RPC): the controller, SFT and distillation use only these. Under
+    TP/DP each call runs on every rank (they are collectives) and rank 0's answer comes back.
+    """
 
     @property
     def version(self) -> int:
         """Weight version of the trainer's current parameters (0 = the job's initial weights)."""
         ...
 
-    def train_step(self, samples: list[Sample], loss: str = "grpo") -> dict[str, float]:
-        """One optimizer step on ``samples``; the version goes up by one."""
+    def train_step(self, samples: list[Sample], loss: str | None = None) -> dict[str, float]:
+        """One training step on ``samples`` (``loss`` overrides the configured objective's name, e.g. ``"sft"``);
+        the version goes up by one. Returns the step's metrics."""
         ...
 
     def export_weights(self) -> dict[str, Any]:
         """Full HF-named tensors of the current weights (TransferMesh's sending side)."""
         ...
 
-    def save_checkpoint(self, path: str, extra: dict[str, Any] | None = None) -> None: ...
+    def export_buckets(self, bucket_bytes: int = 32 << 20) -> list[Any]:
+        """The current version as checksummed TransferMesh buckets of about ``bucket_bytes`` each."""
+        ...
 
-    def close(self) -> None: ...
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        """Model, optimizer, scheduler and RNG state plus the caller's ``extra``, written atomically."""
+        ...
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore a :meth:`save_checkpoint` (the version comes back with it); returns the saved ``extra``."""
+        ...
+
+    def save_hf(self, path: str | Path) -> Path:
+        """Write the current weights as a Hugging Face model directory (config, safetensors, tokenizer files)."""
+        ...
+
+    def eval_nll(self, samples: list[Sample]) -> float:
+        """Token-level mean negative log-likelihood of the samples' model tokens (no update)."""
+        ...
+
+    def pids(self) -> list[int]:
+        """Process ids of the trainer's processes (monitoring, crash tests)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the trainer's processes (idempotent)."""
+        ...

@@ -128,7 +128,11 @@ class EmbeddedEngine(DecodeLoop):
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[GenerateResult] = loop.create_future()
-        rid = self._enqueue(input_ids, sampling, rid, lambda v: loop.call_soon_threadsafe(_settle, fut, v), on_token)
+
+        def deliver(value: GenerateResult | BaseException) -> None:  # on the decode thread
+            loop.call_soon_threadsafe(_settle, fut, value)
+
+        rid = self._enqueue(input_ids, sampling, rid, deliver, on_token)
         fut.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
         return await fut
 

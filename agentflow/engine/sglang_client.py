@@ -427,8 +427,8 @@ class SGLangEngine:
         from transfer_mesh.receiver import BUCKET_PREFIX
 
         payload = serialize_named_tensors([(f"{BUCKET_PREFIX}{i}", b) for i, b in enumerate(buckets)])
-        body = {"serialized_named_tensors": [payload], "weight_version": str(version), "transfer_mesh": ext}
-        body.update(pause_mode=pause_mode, flush_cache=flush_cache)
+        body: dict[str, Any] = {"serialized_named_tensors": [payload], "weight_version": str(version)}
+        body.update(transfer_mesh=ext, pause_mode=pause_mode, flush_cache=flush_cache)
         self.begin_weight_update()
         try:
             replies = self._each("/update_weights_from_tensor", [body] * len(self.servers))
