@@ -26,7 +26,7 @@ class OptimFields(_Section):
     """Linear warm-up steps of the LR schedule."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
-    micro_batch_tokens: int = Field(4096, ge=64)
+    micro_batch_tokens: int = Field(4096, ge=1)
     """Token budget of one padded micro-batch (gradient accumulation across micro-batches)."""
     seed: int = 0
     """Trainer seed."""

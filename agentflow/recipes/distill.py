@@ -50,6 +50,8 @@ def check_teachers(cfg: JobConfig, student_dir: Path) -> Router:
             "set trainer.drop_uniform_groups=false for distillation: groups whose environment rewards are all equal "
             "still carry the teachers' per-token signal"
         )
+    if t.release == "offload":  # the shipped scorers (embedded engines, SGLang clients) have nothing to offload to
+        raise JobError("teachers.release=offload: no teacher scorer here can offload; set teachers.release=free")
     mixed = any(isinstance(v, dict) and len(v) > 1 for v in t.routes.values())
     if t.loss_coef > 0 and t.loss_estimator == "topk" and t.mix == "probs" and mixed:
         raise JobError("teachers: the top-k loss needs one teacher per sequence: set teachers.mix=sample")
