@@ -120,9 +120,11 @@ class InferenceEngine(Protocol):
         ...
 
 
-@runtime_checkable
 class StreamingEngine(InferenceEngine, Protocol):
-    """An engine whose ``generate`` also reports every token as it is sampled (the embedded engine)."""
+    """An engine whose ``generate`` also reports every token as it is sampled (the embedded engine).
+
+    Static only: ``isinstance`` cannot see a parameter, so a caller deciding at run time checks the signature of
+    ``generate`` for ``on_token``."""
 
     async def generate(
         self,
