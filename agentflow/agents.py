@@ -16,7 +16,7 @@ from typing import Any
 
 from agentflow.chat import ChatTokenizer
 from agentflow.episode import EpisodeSpec, run_episode
-from agentflow.types import InferenceEngine, SamplingParams, Trajectory
+from agentflow.types import InferenceEngine, RecyclingEngine, SamplingParams, Trajectory
 
 
 @dataclass
@@ -181,10 +181,10 @@ class BlackBoxAgent(BaseAgent):
             self.proxy = None
 
 
-def _abort_on_update(engine: Any, recycle: bool) -> None:
+def _abort_on_update(engine: InferenceEngine, recycle: bool) -> None:
     """``partial: recycle`` needs the engine to abort in-flight generations at a weight update (embedded engine;
     SGLang servers do it with ``pause_generation(mode="abort")`` around the update)."""
-    if recycle and hasattr(engine, "abort_on_update"):
+    if recycle and isinstance(engine, RecyclingEngine):
         engine.abort_on_update = True
 
 

@@ -24,7 +24,7 @@ from agentflow.files import dump_json
 from agentflow.metrics import MetricsLogger
 from agentflow.rollout import BusyTracker, EnvPool, Rollouts
 from agentflow.store import Journal, TrajectoryStore
-from agentflow.types import InferenceEngine
+from agentflow.types import EnvProvider, InferenceEngine
 from envs.tasks import DataMixture, DataSource
 from trainer.types import TrainerGroup, TrainerSettings
 from transfer_mesh.transport import WeightTransport
@@ -53,8 +53,8 @@ class Job:
     trainer: TrainerGroup
     engine: InferenceEngine
     transport: WeightTransport
-    pool: Any
-    """:class:`agentflow.rollout.EnvPool`, or the Ray runtime's remote pool (same ``acquire``/``release``)."""
+    pool: EnvProvider
+    """:class:`agentflow.rollout.EnvPool`, or the Ray runtime's pool of env workers."""
     mixture: DataMixture
     store: TrajectoryStore
     agent: BaseAgent
@@ -147,13 +147,16 @@ def write_processes(job: Job) -> None:
 
 async def _trainer_engine_pool(
     cfg: JobConfig, policy_dir: Path, run_dir: Path, stack: AsyncExitStack
-) -> tuple[TrainerGroup, InferenceEngine, Any, RayRuntime | None]:
+) -> tuple[TrainerGroup, InferenceEngine, EnvProvider, RayRuntime | None]:
     """Trainer group, engine and env pool: local processes, or Ray actors (``ray.enabled``) and their runtime."""
     from agentflow.engine.factory import make_engine
     from trainer.launcher import make_trainer_group
 
     settings = trainer_settings(cfg)
     first = data_mixture(cfg).sources[0]
+    trainer: TrainerGroup
+    engine: InferenceEngine
+    pool: EnvProvider
     if cfg.ray.enabled:
         from agentflow.ray_runtime import RayRuntime
 

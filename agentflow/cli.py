@@ -103,9 +103,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "model":
         from agentflow.model_init import ModelInitConfig, count_parameters, init_model
 
-        cfg = ModelInitConfig(seed=args.seed, hidden_size=args.hidden_size, num_hidden_layers=args.layers)
-        out = init_model(args.out_dir, cfg, env_ids=args.env)
-        print(f"wrote {out} ({count_parameters(cfg) / 1e6:.2f}M parameters)")
+        init = ModelInitConfig(seed=args.seed, hidden_size=args.hidden_size, num_hidden_layers=args.layers)
+        out = init_model(args.out_dir, init, env_ids=args.env)
+        print(f"wrote {out} ({count_parameters(init) / 1e6:.2f}M parameters)")
         return 0
     if args.cmd == "serve":
         import os

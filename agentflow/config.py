@@ -226,7 +226,8 @@ class JobConfig(Section):
     teachers: TeachersConfig = Field(default_factory=TeachersConfig)
     """On-policy distillation from teachers routed by data-source tag (``agentflow distill``)."""
     transfer: dict[str, Any] = Field(default_factory=lambda: {"type": "inprocess"})
-    """TransferMesh weight transport, tagged by ``type`` (inprocess | gloo | http | cuda_ipc); see transfer_mesh/transport.py."""
+    """TransferMesh weight transport, tagged by ``type`` (inprocess | gloo | http | cuda_ipc); see
+    transfer_mesh/transport.py."""
 
     @model_validator(mode="after")
     def _teacher_estimators(self) -> JobConfig:

@@ -150,18 +150,18 @@ def to_samples(groups: list[Group], drop_uniform: bool = False) -> list[Sample]:
     out = []
     batch_tokens = 0
     for g in groups:
-        scored = [t for t in g.trajectories if t.status in ("ok", "truncated") and t.reward is not None]
-        batch_tokens += sum(t.num_model_tokens() for t in scored)
-        if drop_uniform and len({t.reward for t in scored}) <= 1:
+        scored = [(t, t.reward) for t in g.trajectories if t.status in ("ok", "truncated") and t.reward is not None]
+        batch_tokens += sum(t.num_model_tokens() for t, _ in scored)
+        if drop_uniform and len({r for _, r in scored}) <= 1:
             continue
-        for t in scored:
+        for t, reward in scored:
             for i, seg in enumerate(t.segments):
-                sample = Sample(seg.token_ids, seg.loss_mask, seg.logprobs, t.reward, g.id, f"{t.id}/{i}")
+                sample = Sample(seg.token_ids, seg.loss_mask, seg.logprobs, reward, g.id, f"{t.id}/{i}")
                 turns = [turn for turn in t.turns if turn.segment == i]
-                sample.turn_spans = [tuple(turn.span) for turn in turns]
+                sample.turn_spans = [(turn.span[0], turn.span[1]) for turn in turns]
                 sample.turn_rewards = [turn.reward for turn in turns]
                 if sample.turn_rewards and i == len(t.segments) - 1:
-                    sample.turn_rewards[-1] = t.reward  # the episode's reward belongs to its last turn
+                    sample.turn_rewards[-1] = reward  # the episode's reward belongs to its last turn
                 out.append(sample)
     if drop_uniform:  # left-out groups still count in the loss's token average (see Sample.norm_tokens)
         for sample in out:

@@ -17,7 +17,7 @@ from agentflow.agents import BaseAgent, Episode, WhiteBoxAgent
 from agentflow.chat import ChatTokenizer
 from agentflow.episode import EpisodeSpec
 from agentflow.store import TrajectoryStore
-from agentflow.types import Group, InferenceEngine, SamplingParams, Trajectory
+from agentflow.types import EnvProvider, Group, InferenceEngine, SamplingParams, SupervisedEngine, Trajectory
 from envs.tasks import DataMixture, Draw
 
 
@@ -98,7 +98,7 @@ class Rollouts:
         self,
         engine: InferenceEngine,
         tokenizer: ChatTokenizer,
-        pool: EnvPool,
+        pool: EnvProvider,
         max_len: int,
         max_concurrency: int,
         agent: BaseAgent | None = None,
@@ -142,9 +142,8 @@ class Rollouts:
                 self.engine_busy.exit()
                 self.pool.release(env)
             self.episodes += 1
-        lost_engine = getattr(self.engine, "lost", set())  # Ray engines: ids of episodes whose engine died
-        if traj.id in lost_engine:
-            lost_engine.discard(traj.id)
+        if isinstance(self.engine, SupervisedEngine) and traj.id in self.engine.lost:  # its engine died under it
+            self.engine.lost.discard(traj.id)
             return traj, "engine"
         return traj, ("env_worker" if getattr(env, "lost", False) else None)
 
@@ -196,15 +195,6 @@ class Rollouts:
             await store.fail(gid)
             raise
         await store.accept(group)
-
-    async def evaluate(self, seeds: list[int], max_new_tokens: int) -> list[Trajectory]:
-        """Greedy episodes on the eval split."""
-        sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-        pool = self.pool
-        specs = [
-            EpisodeSpec(f"eval-{s}", f"eval-{s}", s, "eval", env_id=pool.env_id, env_kwargs=pool.kwargs) for s in seeds
-        ]
-        return list(await asyncio.gather(*(self.episode(s, sampling) for s in specs)))
 
 
 def outcomes(trajs: Iterable[Trajectory]) -> list[tuple[str, bool]]:

@@ -73,6 +73,20 @@ class ScoreResult:
 OnToken = Callable[[int, float, int], None]
 
 
+class EnvProvider(Protocol):
+    """Where rollouts get env instances: a local pool, or env workers in other processes (Ray)."""
+
+    def acquire(self, env_id: str | None = None, kwargs: dict[str, Any] | None = None) -> Any:
+        """An env of ``env_id`` made with ``kwargs`` (the provider's default env when None), reused if one is free."""
+        ...
+
+    def release(self, env: Any) -> None:
+        """Give an env back for a later episode."""
+        ...
+
+    def close(self) -> None: ...
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """Token-in/token-out generation: what every engine offers (embedded, SGLang client, Ray engines).

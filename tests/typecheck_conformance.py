@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from agentflow.engine.embedded import EmbeddedEngine
     from agentflow.engine.sglang_client import SGLangEngine
-    from agentflow.ray_runtime import RayEngine, RayTrainerGroup
-    from agentflow.types import InferenceEngine, RecyclingEngine, StreamingEngine, SupervisedEngine
+    from agentflow.ray_runtime import RayEngine, RayTrainerGroup, RemoteEnvPool
+    from agentflow.rollout import EnvPool
+    from agentflow.types import EnvProvider, InferenceEngine, RecyclingEngine, StreamingEngine, SupervisedEngine
     from trainer.launcher import LocalTrainerGroup, ParallelTrainerGroup
     from trainer.types import TrainerGroup
     from transfer_mesh.transport import KeepsCacheOnUpdate, LocalEngine, WeightTransport
@@ -56,3 +57,7 @@ def weight_transports(
     inprocess: InProcessTransport, http: HttpTransport, gloo: GlooTransport, cuda_ipc: CudaIpcTransport
 ) -> list[WeightTransport]:
     return [inprocess, http, gloo, cuda_ipc]
+
+
+def env_providers(local: EnvPool, remote: RemoteEnvPool) -> list[EnvProvider]:
+    return [local, remote]

@@ -12,6 +12,7 @@ from agentflow.builder import Job, JobError
 from agentflow.config import JobConfig
 from agentflow.controller import LoopResult
 from agentflow.rollout import overlap_seconds
+from agentflow.types import SupervisedEngine
 
 Log = Callable[[str], None]
 
@@ -55,7 +56,7 @@ def fault_report(job: Job) -> dict[str, Any]:
         "retried_episodes": dict(r.retried),
         "retried_ids": list(r.retried_ids),
         "lost_after_retries": r.lost_for_good,
-        "engine_restarts": getattr(job.engine, "restarts", 0),
+        "engine_restarts": job.engine.restarts if isinstance(job.engine, SupervisedEngine) else 0,
     }
 
 

@@ -56,7 +56,7 @@ def _teacher_engine(cfg: JobConfig, spec: TeacherSpec) -> InferenceEngine:
         return EmbeddedEngine(spec.path, cfg.engine.max_slots, cfg.engine.max_len, seed=cfg.run.seed)
     from agentflow.engine.sglang_client import SGLangEngine
 
-    return SGLangEngine([spec.url], request_timeout=cfg.engine.request_timeout)
+    return SGLangEngine([str(spec.url)], request_timeout=cfg.engine.request_timeout)
 
 
 def teacher_episodes(
