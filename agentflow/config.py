@@ -158,6 +158,8 @@ class SFTConfig(Section):
     """SFT learning rate."""
     batch_size: int = Field(16, ge=1)
     """Sequences per SFT step."""
+    warmup_steps_max: int = Field(50, ge=0)
+    """The LR warms up linearly over a tenth of the SFT steps, at most this many, then decays (cosine)."""
     threads: int = Field(2, ge=1)
     """Torch threads of the SFT trainer (nothing else runs during warm-up, so it may use every core)."""
 

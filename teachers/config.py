@@ -37,6 +37,8 @@ class SeqKDConfig(_Section):
     """Learning rate of the imitation phase."""
     batch_size: int = Field(32, ge=1)
     """Sequences per imitation step."""
+    warmup_steps_max: int = Field(20, ge=0)
+    """The LR warms up linearly over a tenth of the imitation steps, at most this many, then decays (cosine)."""
     temperature: float = Field(1.0, gt=0)
     """Teachers' sampling temperature (1: the student imitates the teachers' own distribution)."""
     threads: int = Field(2, ge=1)

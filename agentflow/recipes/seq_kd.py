@@ -110,13 +110,14 @@ def run_seq_kd(
     cfg: JobConfig, student_dir: Path, router: Router, out: Path, log: Callable[[str], None] = print
 ) -> tuple[Path, dict[str, Any]]:
     """The imitation phase: returns the imitating student's directory (``out``) and a report."""
-    from agentflow.recipes.warmup import imitate
+    from agentflow.recipes.warmup import Imitation, imitate
 
     kd = cfg.teachers.seq_kd
     t0 = time.monotonic()
     groups, stats = teacher_episodes(cfg, router, student_dir, log)
     train, val = split_samples(groups)
-    report = imitate(cfg, student_dir, train, val, kd.lr, kd.epochs, kd.batch_size, 1, kd.threads, out, log, "seq-KD")
+    how = Imitation(kd.lr, kd.epochs, kd.batch_size, 1, kd.threads, kd.warmup_steps_max, "seq-KD")
+    report = imitate(cfg, student_dir, train, val, how, out, log)
     report.update(teachers=stats, train_rows=len(train), val_rows=len(val), episodes=len(groups))
     report["total_wall_s"] = round(time.monotonic() - t0, 1)
     (out / "seq_kd_report.json").write_text(json.dumps(report, indent=2))

@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from envs.core import ToolAction, parse_action
 from trainer.types import Sample, TrainerGroup
 
 Expert = Callable[[Any, list[tuple[str, str]]], str]
+Log = Callable[[str], None]
 
 
 def load_expert(path: str) -> Expert:
@@ -114,54 +116,49 @@ def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str
     train, expert_success = expert_samples(cfg, tok, range(cfg.sft.episodes), "train")
     val, _ = expert_samples(cfg, tok, range(10_000_000, 10_000_000 + cfg.sft.val_episodes), "train")
     s = cfg.sft
-    report = imitate(cfg, base_dir, train, val, s.lr, s.max_epochs, s.batch_size, s.patience, s.threads, out, log)
+    how = Imitation(s.lr, s.max_epochs, s.batch_size, s.patience, s.threads, s.warmup_steps_max)
+    report = imitate(cfg, base_dir, train, val, how, out, log)
     report["expert_success_train"] = expert_success
     (out / "sft_report.json").write_text(json.dumps(report, indent=2))
     return out
 
 
+@dataclass(frozen=True)
+class Imitation:
+    """How an imitation phase (warm-up SFT, seq-KD) trains: NLL, early stopping on a held-out set."""
+
+    lr: float
+    max_epochs: int
+    batch_size: int
+    patience: int
+    threads: int
+    warmup_steps_max: int
+    """The LR warms up linearly over a tenth of the steps, at most this many, then decays (cosine)."""
+    what: str = "SFT"
+    """Name in the log lines."""
+
+
 def imitate(
-    cfg: JobConfig,
-    base_dir: Path,
-    train: list[Sample],
-    val: list[Sample],
-    lr: float,
-    max_epochs: int,
-    batch_size: int,
-    patience: int,
-    threads: int,
-    out: Path,
-    log: Callable[[str], None],
-    what: str = "SFT",
+    cfg: JobConfig, base_dir: Path, train: list[Sample], val: list[Sample], how: Imitation, out: Path, log: Log
 ) -> dict[str, Any]:
-    """Train ``base_dir`` on ``train`` with the NLL loss (linear warm-up over a tenth of the steps, at most 50, then
-    decay) in a trainer group of its own, with the job's trainer settings (weight decay, grad clip, micro-batch
-    tokens, parallelism); the weights with the best ``val`` loss go to ``out``."""
+    """Train ``base_dir`` on ``train`` with the NLL loss in a trainer group of its own, with the job's trainer
+    settings (weight decay, grad clip, micro-batch tokens, parallelism); the best ``val`` weights go to ``out``."""
     from trainer.launcher import make_trainer_group
 
-    steps = max_epochs * -(-len(train) // batch_size)
-    warm = min(50, steps // 10)
+    steps = how.max_epochs * -(-len(train) // how.batch_size)
+    warm = min(how.warmup_steps_max, steps // 10)
     settings = trainer_settings(
-        cfg, lr=lr, threads=threads, warmup_steps=warm, decay_steps=steps - warm, temperature=1.0
+        cfg, lr=how.lr, threads=how.threads, warmup_steps=warm, decay_steps=steps - warm, temperature=1.0
     )
     group = make_trainer_group(base_dir, settings, tp=cfg.trainer.tp, dp=cfg.trainer.dp)
     try:
-        return train_epochs(group, train, val, max_epochs, batch_size, patience, cfg.trainer.seed, out, log, what)
+        return train_epochs(group, train, val, how, cfg.trainer.seed, out, log)
     finally:
         group.close()
 
 
 def train_epochs(
-    group: TrainerGroup,
-    train: list[Sample],
-    val: list[Sample],
-    max_epochs: int,
-    batch_size: int,
-    patience: int,
-    seed: int,
-    out: Path,
-    log: Callable[[str], None],
-    what: str = "SFT",
+    group: TrainerGroup, train: list[Sample], val: list[Sample], how: Imitation, seed: int, out: Path, log: Log
 ) -> dict[str, Any]:
     """Epochs of the NLL loss on ``train``; the weights with the best ``val`` loss are saved to ``out``."""
     import random
@@ -170,21 +167,21 @@ def train_epochs(
     best, bad, curve = float("inf"), 0, []
     t0 = time.perf_counter()
     curve.append({"epoch": 0, "val_loss": group.eval_nll(val), "train_loss": None})
-    for epoch in range(1, max_epochs + 1):
+    for epoch in range(1, how.max_epochs + 1):
         order = list(range(len(train)))
         rng.shuffle(order)
         losses = []
-        for i in range(0, len(order), batch_size):
-            batch = [train[j] for j in order[i : i + batch_size]]
+        for i in range(0, len(order), how.batch_size):
+            batch = [train[j] for j in order[i : i + how.batch_size]]
             losses.append(group.train_step(batch, "sft")["loss"])
         val_loss = group.eval_nll(val)
         curve.append({"epoch": epoch, "train_loss": sum(losses) / len(losses), "val_loss": val_loss})
-        log(f"{what} epoch {epoch}: train {curve[-1]['train_loss']:.4f} val {val_loss:.4f}")
+        log(f"{how.what} epoch {epoch}: train {curve[-1]['train_loss']:.4f} val {val_loss:.4f}")
         if val_loss < best - 1e-4:
             best, bad = val_loss, 0
             group.save_hf(str(out))
         else:
             bad += 1
-            if bad >= patience:
+            if bad >= how.patience:
                 break
     return {"curve": curve, "best_val_loss": best, "epochs": len(curve) - 1, "wall_s": time.perf_counter() - t0}
