@@ -159,3 +159,20 @@ def test_distill_resume_is_refused_with_one_line(models, tmp_path):
                              'teachers.routes={"default": "t"}', "trainer.drop_uniform_groups=false"])  # fmt: skip
     with pytest.raises(JobError, match="cannot be resumed"):
         run_distill(cfg, log=lambda *_: None, resume=True)
+
+
+def test_agents_by_module_path_and_entry_point(monkeypatch):
+    from agentflow import agents
+
+    assert isinstance(agents.make_agent("agentflow.agents:WhiteBoxAgent"), agents.WhiteBoxAgent)
+
+    class FakeEntryPoint:
+        def load(self):
+            return agents.WhiteBoxAgent
+
+    monkeypatch.setattr(agents, "_entry_points", lambda: {"plugged": FakeEntryPoint()})
+    assert isinstance(agents.make_agent("plugged", context="compact"), agents.WhiteBoxAgent)
+    with pytest.raises(ValueError, match="Did you mean 'plugged'"):
+        agents.make_agent("pluged")
+    with pytest.raises(ValueError, match="not an agentflow.agents.BaseAgent"):
+        agents.make_agent("collections:OrderedDict")
