@@ -9,12 +9,12 @@ with :func:`register_agent` (its module imported before the job starts).
 from __future__ import annotations
 
 import difflib
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from agentflow.chat import ChatTokenizer
+from agentflow.entrypoints import load_reference
 from agentflow.episode import EpisodeSpec, run_episode
 from agentflow.types import InferenceEngine, RecyclingEngine, SamplingParams, Trajectory
 
@@ -77,29 +77,13 @@ def _entry_points() -> dict[str, Any]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
 
-def _load_reference(ref: str) -> AgentFactory:
-    """``module:Class`` (or ``module:function``) returning a :class:`BaseAgent`."""
-    module_name, _, attr = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"agent.type {ref!r}: cannot import module {module_name!r} ({e})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        names = [n for n in dir(module) if not n.startswith("_")]
-        close = difflib.get_close_matches(attr, names, n=1)
-        hint = f" Did you mean '{module_name}:{close[0]}'?" if close else ""
-        raise ValueError(f"agent.type {ref!r}: module {module_name!r} has no agent {attr!r}.{hint}")
-    return factory
-
-
 def make_agent(name: str, **settings: Any) -> BaseAgent:
     """The agent ``name`` built with ``settings``: a registered name, an ``agentflow.agents`` entry point, or a
     ``module:Class`` reference. An unknown name says what is available and what is closest."""
     if name in _REGISTRY:
         factory = _REGISTRY[name]
     elif ":" in name:
-        factory = _load_reference(name)
+        factory = load_reference(name, "agent.type")
     else:
         eps = _entry_points()
         if name not in eps:

@@ -22,3 +22,24 @@ def require(condition: bool, what: str) -> None:
     if os.environ.get("AGENTFLOW_REQUIRE_ALL") == "1":
         pytest.fail(f"{what} is required in CI (AGENTFLOW_REQUIRE_ALL=1) but missing")
     pytest.skip(f"{what} not available")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny student and a teacher with the student's tokenizer and sharper, different weights."""
+    import shutil
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    from agentflow.model_init import ModelInitConfig, _init_weights, init_model
+
+    tiny = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
+    root = tmp_path_factory.mktemp("pair")
+    student = init_model(root / "student", tiny)
+    teacher = root / "teacher"
+    shutil.copytree(student, teacher)
+    weights = _init_weights(replace(tiny, seed=7))
+    weights = {k: v * 10.0 if "proj" in k or "embed" in k else v for k, v in weights.items()}
+    save_file(weights, str(teacher / "model.safetensors"), metadata={"format": "pt"})
+    return student, teacher

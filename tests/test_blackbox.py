@@ -115,7 +115,7 @@ def test_agent_registry():
         make_agent("blackbx")
     with pytest.raises(ValueError, match="exactly one"):
         BlackBoxAgent()
-    with pytest.raises(ValueError, match="cannot import agent module"):
+    with pytest.raises(ValueError, match="agent.entry .no_such_module:f.: cannot import module"):
         BlackBoxAgent(entry="no_such_module:f")
     assert isinstance(make_agent("whitebox", context="compact"), WhiteBoxAgent)
 

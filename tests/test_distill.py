@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from agentflow.cli import main
-from agentflow.model_init import ModelInitConfig, _init_weights, init_model
+from agentflow.model_init import ModelInitConfig
 from agentflow.teacher_scoring import EngineScorer, attach_teacher_scores
 from agentflow.types import Group, Segment, Trajectory
 from teachers.manager import TeacherManager
@@ -22,19 +21,6 @@ from trainer.losses import LossInputs, plan_advantages, policy_loss, topk_revers
 from trainer.types import LossSettings, Sample, TrainerSettings
 
 TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[Path, Path]:
-    """A student and a teacher with the student's tokenizer and sharper, different weights."""
-    root = tmp_path_factory.mktemp("pair")
-    student = init_model(root / "student", TINY)
-    teacher = root / "teacher"
-    shutil.copytree(student, teacher)
-    weights = _init_weights(replace(TINY, seed=7))
-    weights = {k: v * 10.0 if "proj" in k or "embed" in k else v for k, v in weights.items()}
-    save_file(weights, str(teacher / "model.safetensors"), metadata={"format": "pt"})
-    return student, teacher
 
 
 def _sample(n: int = 10) -> Sample:

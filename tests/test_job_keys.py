@@ -9,36 +9,21 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import require
-from safetensors.torch import save_file
 
 from agentflow.config import load_config
-from agentflow.model_init import ModelInitConfig, _init_weights, init_model
 from agentflow.store import Journal
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
 BLACKBOX = ["agent.type=blackbox", "agent.entry=agentflow.demos.blackbox_agent:tool_agent"]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> tuple[Path, Path]:
-    """A student, and a teacher with the student's tokenizer and different weights."""
-    root = tmp_path_factory.mktemp("keys")
-    student = init_model(root / "student", TINY)
-    teacher = root / "teacher"
-    shutil.copytree(student, teacher)
-    save_file(_init_weights(replace(TINY, seed=7)), str(teacher / "model.safetensors"), metadata={"format": "pt"})
-    return student, teacher
-
-
-def _run(recipe: str, models: tuple[Path, Path], run_dir: Path, extra: list[str]) -> dict:
-    student, teacher = models
+def _run(recipe: str, pair: tuple[Path, Path], run_dir: Path, extra: list[str]) -> dict:
+    student, teacher = pair
     over = [f"model.path={student}", "model.init_if_missing=false", "sft.enabled=false", "run.steps=3",
             f"run.dir={run_dir}", "run.progress=false", "store.batch_groups=2", "store.stale_steps=1",
             "rollout.group_size=2", "rollout.max_new_tokens=12", "eval.episodes=2", "engine.max_len=384",
@@ -103,12 +88,12 @@ CASES = {
 
 @pytest.mark.parametrize("recipe", ["train", "distill"])
 @pytest.mark.parametrize("key", list(CASES))
-def test_key_acts_in_every_recipe(recipe, key, models, tmp_path):
+def test_key_acts_in_every_recipe(recipe, key, pair, tmp_path):
     if key.startswith("ray"):
         require(shutil.which("ray") is not None or _has_ray(), "ray")
     extra, acted = CASES[key]
     run_dir = tmp_path / "run"
-    summary = _run(recipe, models, run_dir, extra)
+    summary = _run(recipe, pair, run_dir, extra)
     assert summary["rl_steps"] == 3
     acted(summary, run_dir)
     if recipe == "distill":  # the teachers' signal is there whatever else is set
@@ -124,11 +109,11 @@ def _has_ray() -> bool:
     return True
 
 
-def test_teacher_keys_without_teachers_are_refused_before_start(models, tmp_path):
+def test_teacher_keys_without_teachers_are_refused_before_start(pair, tmp_path):
     from agentflow.builder import JobError
     from agentflow.recipes.rl import run_job
 
-    student, _ = models
+    student, _ = pair
     cfg = load_config(None, [f"model.path={student}", "sft.enabled=false", f"run.dir={tmp_path / 'run'}",
                              "teachers.seq_kd.episodes=20"])  # fmt: skip
     with pytest.raises(JobError, match="teachers.seq_kd is set but no teachers are configured"):
@@ -136,11 +121,11 @@ def test_teacher_keys_without_teachers_are_refused_before_start(models, tmp_path
     assert not (tmp_path / "run").exists()
 
 
-def test_unknown_agent_is_refused_before_start_with_a_suggestion(models, tmp_path):
+def test_unknown_agent_is_refused_before_start_with_a_suggestion(pair, tmp_path):
     from agentflow.builder import JobError
     from agentflow.recipes.rl import run_job
 
-    student, _ = models
+    student, _ = pair
     base = [f"model.path={student}", "sft.enabled=false", f"run.dir={tmp_path / 'run'}"]
     with pytest.raises(JobError, match="Did you mean 'blackbox'"):
         run_job(load_config(None, [*base, "agent.type=blackbx"]), log=lambda *_: None)
@@ -149,11 +134,11 @@ def test_unknown_agent_is_refused_before_start_with_a_suggestion(models, tmp_pat
     assert not (tmp_path / "run").exists()
 
 
-def test_distill_resume_is_refused_with_one_line(models, tmp_path):
+def test_distill_resume_is_refused_with_one_line(pair, tmp_path):
     from agentflow.builder import JobError
     from agentflow.recipes.distill import run_distill
 
-    student, teacher = models
+    student, teacher = pair
     cfg = load_config(None, [f"model.path={student}", "sft.enabled=false", f"run.dir={tmp_path / 'run'}",
                              f'teachers.models=[{{"name": "t", "path": "{teacher}"}}]',
                              'teachers.routes={"default": "t"}', "trainer.drop_uniform_groups=false"])  # fmt: skip

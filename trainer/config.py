@@ -8,13 +8,28 @@ an LR decay for imitation phases, the teachers' signals). Names of losses and es
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from trainer import registry
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+_REGISTRY_TABLE = {
+    "loss": "loss",
+    "name": "loss",
+    "off_policy": "off_policy",
+    "kl_estimator": "kl_estimator",
+    "distill_reward_estimator": "kl_estimator",
+    "distill_loss_estimator": "distill_loss_estimator",
+}
+"""Which ``trainer/registry.py`` table names each field's value."""
+
+
+def _registered_name(value: str, info: ValidationInfo) -> str:
+    return registry.check(_REGISTRY_TABLE[str(info.field_name)], value)
 
 
 class OptimFields(_Section):
@@ -60,15 +75,7 @@ class LossFields(_Section):
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount of per-turn returns."""
 
-    @field_validator("off_policy")
-    @classmethod
-    def _known_correction(cls, v: str) -> str:
-        return registry.check("off_policy", v)
-
-    @field_validator("kl_estimator")
-    @classmethod
-    def _known_kl(cls, v: str) -> str:
-        return registry.check("kl_estimator", v)
+    _registered = field_validator("off_policy", "kl_estimator")(_registered_name)
 
 
 class TrainerConfig(OptimFields, LossFields):
@@ -85,10 +92,7 @@ class TrainerConfig(OptimFields, LossFields):
     dp: int = Field(1, ge=1)
     """Data-parallel ranks of the trainer."""
 
-    @field_validator("loss")
-    @classmethod
-    def _known_loss(cls, v: str) -> str:
-        return registry.check("loss", v)
+    _registered_loss = field_validator("loss")(_registered_name)
 
     def loss_settings(self, **signals: object) -> LossSettings:
         """The loss as the trainer runs it; ``signals``: the teachers' :class:`LossSettings` fields."""
@@ -116,20 +120,9 @@ class LossSettings(LossFields):
     distill_loss_estimator: str = "topk"
     """Estimator of that term (the job passes ``teachers.loss_estimator``)."""
 
-    @field_validator("name")
-    @classmethod
-    def _known_loss(cls, v: str) -> str:
-        return registry.check("loss", v)
-
-    @field_validator("distill_reward_estimator")
-    @classmethod
-    def _known_reward_estimator(cls, v: str) -> str:
-        return registry.check("kl_estimator", v)
-
-    @field_validator("distill_loss_estimator")
-    @classmethod
-    def _known_loss_estimator(cls, v: str) -> str:
-        return registry.check("distill_loss_estimator", v)
+    _registered_signals = field_validator("name", "distill_reward_estimator", "distill_loss_estimator")(
+        _registered_name
+    )
 
     @property
     def distills(self) -> bool:

@@ -11,7 +11,6 @@ the program. A program that crashes ends the episode ``error``, one that hangs p
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import os
@@ -23,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from agentflow.entrypoints import load_reference
 from agentflow.proxy.server import ProxyServer
 from agentflow.proxy.types import BlackBoxTask
 from agentflow.types import SamplingParams, Trajectory
@@ -102,18 +102,8 @@ def _kill_group(proc: asyncio.subprocess.Process) -> None:
 
 
 def load_callable(entry: str) -> Callable[..., Any]:
-    """``module:function`` -> the function; a clear error names what is missing."""
-    module_name, sep, attr = entry.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"agent entry must be 'module:function', got {entry!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import agent module {module_name!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"module {module_name!r} has no callable {attr!r}")
-    return fn
+    """``module:function`` -> the function (``agent.entry``); a clear error names what is missing."""
+    return load_reference(entry, "agent.entry")
 
 
 class _EnvTools:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import envs
-from agentflow.builder import Job, JobError
+from agentflow.builder import Job, JobError, pin_threads, refuse_unsupported
 from agentflow.config import JobConfig
 from agentflow.controller import LoopResult
 from agentflow.rollout import overlap_seconds
@@ -29,6 +29,13 @@ def ensure_model(cfg: JobConfig) -> Path:
     from agentflow.model_init import ModelInitConfig, init_model
 
     return init_model(path, ModelInitConfig(seed=cfg.model.init_seed), env_ids=[cfg.env.id])
+
+
+def begin(cfg: JobConfig, recipe: str, resume: bool = False) -> None:
+    """What every recipe checks first: keys it cannot honour, the thread count, every env id of the job."""
+    refuse_unsupported(cfg, recipe, resume)
+    pin_threads(cfg.run.threads)
+    check_env_ids(cfg)
 
 
 def check_env_ids(cfg: JobConfig) -> None:

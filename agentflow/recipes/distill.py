@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentflow.builder import JobError, build_job, data_mixture, pin_threads, refuse_unsupported
+from agentflow.builder import JobError, build_job, data_mixture
 from agentflow.config import JobConfig, save_config
 from agentflow.controller import rl_loop
 from agentflow.files import dump_json
-from agentflow.recipes.common import Log, check_env_ids, ensure_model, loop_summary, warm_up
+from agentflow.recipes.common import Log, begin, ensure_model, loop_summary, warm_up
 from agentflow.recipes.evaluate import evaluate_dir, evaluate_sources
 from agentflow.teacher_scoring import route_tags, teacher_specs
 from teachers.routing import Router, parse_routes
@@ -61,9 +61,7 @@ def check_teachers(cfg: JobConfig, student_dir: Path) -> Router:
 def run_distill(cfg: JobConfig, log: Log = print, resume: bool = False) -> dict[str, Any]:
     """Check everything, then warm up (optional), imitate the teachers (optional seq-KD), and distill on-policy."""
     t_start = time.monotonic()
-    refuse_unsupported(cfg, "distill", resume)
-    pin_threads(cfg.run.threads)
-    check_env_ids(cfg)
+    begin(cfg, "distill", resume)
     student = ensure_model(cfg)
     router = check_teachers(cfg, student)  # before the run directory, SFT or any engine
     run_dir = Path(cfg.run.dir)
@@ -93,9 +91,7 @@ def run_rl_per_source(cfg: JobConfig, log: Log = print) -> dict[str, Any]:
     """The same job without teachers (RL on the environment reward alone), evaluated per data source: the
     baseline a distillation run is compared with."""
     t_start = time.monotonic()
-    refuse_unsupported(cfg, "rl")
-    pin_threads(cfg.run.threads)
-    check_env_ids(cfg)
+    begin(cfg, "rl")
     run_dir = Path(cfg.run.dir)
     save_config(cfg, run_dir)
     policy_dir, _ = warm_up(cfg, ensure_model(cfg), run_dir, log)

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentflow.builder import Job, build_job, pin_threads, refuse_unsupported
+from agentflow.builder import Job, build_job
 from agentflow.config import JobConfig, save_config
 from agentflow.controller import rl_loop, save_checkpoint, sync_weights
 from agentflow.files import dump_json
-from agentflow.recipes.common import Log, check_env_ids, ensure_model, loop_summary, warm_up
+from agentflow.recipes.common import Log, begin, ensure_model, loop_summary, warm_up
 from agentflow.recipes.evaluate import evaluate_sources, pooled, scripted_success
 from agentflow.resume import ResumeState, plan_resume
 
@@ -23,9 +23,7 @@ def run_job(cfg: JobConfig, log: Log = print, resume: bool = False) -> dict[str,
     ``resume``: continue the run in ``run.dir`` from its newest checkpoint and its journal (agentflow/resume.py).
     """
     t_start = time.monotonic()
-    refuse_unsupported(cfg, "rl", resume)
-    pin_threads(cfg.run.threads)
-    check_env_ids(cfg)
+    begin(cfg, "rl", resume)
     run_dir = Path(cfg.run.dir)
     save_config(cfg, run_dir)
     policy_dir, sft_report = warm_up(cfg, ensure_model(cfg), run_dir, log)

@@ -21,6 +21,7 @@ import envs
 from agentflow.builder import trainer_settings
 from agentflow.chat import IM_END, ChatTokenizer, ToolCall, parse_reply, render_tool_call
 from agentflow.config import JobConfig
+from agentflow.entrypoints import load_reference
 from envs.core import ToolAction, parse_action
 from trainer.types import Sample, TrainerGroup
 
@@ -30,10 +31,7 @@ Log = Callable[[str], None]
 
 def load_expert(path: str) -> Expert:
     """A ``module:function`` taking ``(env, history)`` and returning a canonical action string."""
-    module, _, name = path.partition(":")
-    if not name:
-        raise ValueError(f"expert '{path}' must look like 'module:function'")
-    return getattr(importlib.import_module(module), name)
+    return load_reference(path, "sft.expert")
 
 
 def action_text(action: str) -> str:
