@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentflow.builder import Job
+from agentflow.config import JobConfig
 from agentflow.resume import ResumeState
 from agentflow.rollout import outcomes, per_type_success
 from agentflow.store import TrajectoryStore
@@ -79,7 +80,7 @@ async def rl_loop(job: Job, resume: ResumeState | None = None, evaluate: Evaluat
     return result
 
 
-def rollout_sampling(cfg: Any) -> SamplingParams:
+def rollout_sampling(cfg: JobConfig) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
 

@@ -31,7 +31,11 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.megatron_trainer import MegatronTrainer
+    from trainer.types import Sample, TrainerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -69,7 +73,7 @@ def make_samples(vocab: int, rows: int, seq: int, seed: int = 0) -> list[Any]:
     return out
 
 
-def describe_gpu_path(trainer: Any) -> dict[str, Any]:
+def describe_gpu_path(trainer: MegatronTrainer) -> dict[str, Any]:
     """Which wrappers the trainer really uses (DDP, distributed optimizer) and where its parameters live."""
     info: dict[str, Any] = {
         "model_wrapper": type(trainer.model).__name__,
@@ -84,7 +88,7 @@ def describe_gpu_path(trainer: Any) -> dict[str, Any]:
     return info
 
 
-def run_steps(trainer: Any, samples: list[Any]) -> dict[str, Any]:
+def run_steps(trainer: MegatronTrainer, samples: list[Sample]) -> dict[str, Any]:
     """``STEPS`` SFT steps; losses, grad norms, step times and how far the weights moved."""
     before = trainer.export_weights()
     losses, norms, times = [], [], []
@@ -99,7 +103,9 @@ def run_steps(trainer: Any, samples: list[Any]) -> dict[str, Any]:
     return {"losses": losses, "grad_norms": norms, "step_s": times, "max_weight_change": moved, "weights": after}
 
 
-def check_engine_update(trainer: Any, model_dir: Path, weights: dict[str, Any], seqs: list[list[int]]) -> dict:
+def check_engine_update(
+    trainer: MegatronTrainer, model_dir: Path, weights: dict[str, Any], seqs: list[list[int]]
+) -> dict:
     """Update an embedded engine in-process with ``weights``; compare its log-probs with the trainer's."""
     from agentflow.engine.embedded import EmbeddedEngine
 
@@ -142,7 +148,7 @@ def _stage(result: dict[str, Any], name: str, fn: Any) -> Any:
         return None
 
 
-def _cpu_reference(model_dir: Path, settings: Any, samples: list[Any]) -> dict[str, Any]:
+def _cpu_reference(model_dir: Path, settings: TrainerSettings, samples: list[Sample]) -> dict[str, Any]:
     from trainer.megatron_trainer import MegatronTrainer
 
     return run_steps(MegatronTrainer(model_dir, settings, device="cpu"), samples)

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import _path  # noqa: F401  (must come before the project's imports: see _path.py)
 
@@ -36,6 +36,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from test_proxy_model import MODEL, TOOLS  # noqa: E402  (the tool the tiny test model is trained on)
+
+if TYPE_CHECKING:
+    from agentflow.proxy import ProxyServer
+    from agentflow.types import SamplingParams
 
 QUESTIONS = 3
 
@@ -95,7 +99,7 @@ def _subprocess_agent() -> None:
     print(json.dumps(asyncio.run(go())))
 
 
-async def overhead(proxy: Any, sampling: Any, n_calls: int) -> dict[str, Any]:
+async def overhead(proxy: ProxyServer, sampling: SamplingParams, n_calls: int) -> dict[str, Any]:
     """Sequential conversations, over raw HTTP and with the openai client; per call, the round trip minus the
     engine's own time for that call (timed inside the proxy)."""
     out = {mode: await _overhead_runs(proxy, sampling, n_calls, mode) for mode in ("raw", "openai")}
@@ -114,7 +118,7 @@ async def overhead(proxy: Any, sampling: Any, n_calls: int) -> dict[str, Any]:
     }
 
 
-async def _overhead_runs(proxy: Any, sampling: Any, n_calls: int, mode: str) -> dict[str, Any]:
+async def _overhead_runs(proxy: ProxyServer, sampling: SamplingParams, n_calls: int, mode: str) -> dict[str, Any]:
     import aiohttp
     import openai
 
@@ -143,7 +147,7 @@ async def _overhead_runs(proxy: Any, sampling: Any, n_calls: int, mode: str) -> 
     }
 
 
-async def load(proxy: Any, sampling: Any, n_async: int, n_proc: int) -> dict[str, Any]:
+async def load(proxy: ProxyServer, sampling: SamplingParams, n_async: int, n_proc: int) -> dict[str, Any]:
     import openai
 
     from agentflow.proxy.runner import SubprocessProgram

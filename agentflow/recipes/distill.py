@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentflow.builder import JobError, build_job, data_mixture
+from agentflow.builder import Job, JobError, build_job, data_mixture
 from agentflow.config import JobConfig, save_config
 from agentflow.controller import rl_loop
 from agentflow.files import dump_json
@@ -123,5 +123,5 @@ async def _loop(cfg: JobConfig, policy_dir: Path, run_dir: Path, log: Log, route
     }
 
 
-async def _success(job: Any) -> dict[str, float]:
+async def _success(job: Job) -> dict[str, float]:
     return {f"success/{k}": v["success"] for k, v in (await evaluate_sources(job.rollouts, job.cfg)).items()}
