@@ -74,7 +74,8 @@ def run_result(name: str, runs: Path, quick: bool = False) -> Path:
         distill.main(["all", "eval.episodes=200"])
         shutil.copytree(distill.ROOT, run_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("cache", "*.pt"))
     else:  # the same models and job at another seed (its own seq-KD episodes, rollouts and trainer seed)
-        distill.main(["models"])
+        if not (distill.ROOT / "models.json").is_file():  # the models are the same at every seed
+            distill.main(["models"])
         distill.main(["distill", "eval.episodes=200", f"run.dir={run_dir / 'distill'}", *res.overrides])
         shutil.copy(distill.ROOT / "models.json", run_dir / "models.json")
     return run_dir
