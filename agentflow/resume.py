@@ -59,12 +59,14 @@ def checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 def load_latest(run_dir: str | Path, load: Callable[[str], dict[str, Any]]) -> tuple[Path | None, dict, list[str]]:
     """Load the newest checkpoint that loads (``load`` is the trainer's); returns its path, extra, skipped ones."""
-    from trainer.launcher import TrainerError
+    from trainer.launcher import TrainerCallError, TrainerError
 
     skipped = []
     for _, path in checkpoints(run_dir):
         try:
             return path, load(str(path)), skipped
+        except TrainerCallError as e:  # the trainer is alive and could not read the file: fall back, and say so
+            skipped.append(f"{path.name}: {str(e).strip().splitlines()[-1]}")
         except TrainerError:  # the trainer died, the file may be fine: falling back would retrain what it holds
             raise
         except Exception as e:  # noqa: BLE001 - a corrupt file: fall back to the one before, and say so

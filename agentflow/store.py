@@ -30,6 +30,8 @@ class Journal:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.cut_bytes = _cut_torn_tail(self.path)
+        """Bytes of a torn last line (a write a crash cut short, never acknowledged) removed before appending."""
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
 
     def append(self, trajectories: list[Trajectory]) -> None:
@@ -58,6 +60,29 @@ class Journal:
                     break
                 raise ValueError(f"{p}: line {i + 1} is not a trajectory: {e}") from e
         return out
+
+
+def _cut_torn_tail(path: Path) -> int:
+    """Truncate ``path`` after its last newline, so the next record starts on a line of its own; bytes removed."""
+    if not path.is_file():
+        return 0
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        keep, step = size, 1 << 16
+        while keep > 0:  # scan back from the end for the last newline
+            start = max(0, keep - step)
+            f.seek(start)
+            chunk = f.read(keep - start)
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            keep = start
+        if keep < size:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        return size - keep
 
 
 Collect = Literal["fifo", "first_finished"]

@@ -58,6 +58,42 @@ def test_journal_drops_a_torn_last_line_only(tmp_path):
         Journal.read(tmp_path / "bad.jsonl")
 
 
+def test_journal_cuts_a_torn_tail_before_appending(tmp_path):
+    path = tmp_path / "j.jsonl"
+    j = Journal(path)
+    j.append([_traj("g0", 0), _traj("g0", 1)])
+    j.close()
+    with open(path, "a") as f:
+        f.write(_traj("g1", 0).to_json()[:40])  # a write cut by a crash
+    j = Journal(path)  # the resumed run opens the journal again
+    assert j.cut_bytes == 40
+    j.append([_traj("g1", 0), _traj("g1", 1)])
+    j.close()
+    assert [t.id for t in Journal.read(path)] == ["g0-0", "g0-1", "g1-0", "g1-1"]  # nothing merged, nothing lost
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_one_before(tmp_path):
+    from agentflow.resume import load_latest
+    from trainer.launcher import LocalTrainerGroup
+    from trainer.types import TrainerSettings
+
+    model = init_model(tmp_path / "m", ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176,
+                                                        num_attention_heads=4))  # fmt: skip
+    group = LocalTrainerGroup(model, TrainerSettings(threads=1))
+    try:
+        ck = tmp_path / "run" / "checkpoints"
+        ck.mkdir(parents=True)
+        group.save_checkpoint(str(ck / "step_1.pt"), {"step": 1})
+        group.save_checkpoint(str(ck / "step_2.pt"), {"step": 2})
+        data = (ck / "step_2.pt").read_bytes()
+        (ck / "step_2.pt").write_bytes(data[: len(data) // 3])
+        path, extra, skipped = load_latest(tmp_path / "run", group.load_checkpoint)
+        assert path == ck / "step_1.pt" and extra == {"step": 1}
+        assert len(skipped) == 1 and skipped[0].startswith("step_2.pt")
+    finally:
+        group.close()
+
+
 def test_resume_needs_a_run_directory(tmp_path):
     from agentflow.cli import main
 

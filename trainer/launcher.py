@@ -33,6 +33,11 @@ class TrainerError(RuntimeError):
     """The trainer process raised or died."""
 
 
+class TrainerCallError(TrainerError):
+    """The trainer process is alive but the call raised (its traceback is in the message): e.g. a corrupt checkpoint
+    file, which a caller may skip, unlike a trainer that died."""
+
+
 # ------------------------------------------------------------------------------------------------ trainer side
 
 
@@ -170,7 +175,7 @@ class LocalTrainerGroup(_TrainerCalls):
             self._proc.join(5)
             raise TrainerError(f"trainer process died during '{what}' (exit code {self._proc.exitcode})") from None
         if status == "err":
-            raise TrainerError(f"trainer failed in '{what}':\n{payload}")
+            raise TrainerCallError(f"trainer failed in '{what}':\n{payload}")
         return payload
 
     def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
@@ -321,7 +326,7 @@ class ParallelTrainerGroup(_TrainerCalls):
             parts.append("the group was stopped")
             raise self._fail("; ".join(parts) + "".join(f"\n{f}" for f in failed))
         if failed:
-            raise TrainerError(f"trainer failed in '{what}':\n" + "\n".join(failed))
+            raise TrainerCallError(f"trainer failed in '{what}':\n" + "\n".join(failed))
         return [p for _, (_, p) in sorted(replies.items())]
 
     def _send(self, method: str, args: tuple, kwargs: dict, want_all: bool) -> None:
