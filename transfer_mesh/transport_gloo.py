@@ -8,7 +8,10 @@ bucket size, checksum, fingerprint) and the data are framed buckets: per bucket 
 ``[MAGIC, version, index, nbytes, digest...]`` then the ``uint8`` bucket, and an end header (index -1). A receiver
 therefore detects checksum errors, missing or repeated buckets and foreign versions, drains the stream either way
 (the group stays in step) and refuses the version. ``protocol: sglang`` sends one broadcast per tensor, unverified,
-as real SGLang servers expect.
+as real SGLang servers expect, and the client drives their choreography around it (names checked before anything is
+sent, retract or abort, begin/receive/end, a checked flush, the label checked, continue). ``auto`` (the default)
+takes ``transfer_mesh`` when every server announces it, else ``sglang``. The group is built with the rendezvous of
+SGLang's ``init_custom_process_group``, so the trainer joins a real SGLang server's weight-update group.
 
 Pipelining: broadcasts are issued asynchronously; the next bucket is packed while the previous ones are in flight.
 The group is a standalone ``ProcessGroupGloo`` over a ``TCPStore`` (it does not touch the default group).
@@ -45,8 +48,9 @@ class GlooConfig(TransportConfig):
     group_name: str = "transfer_mesh"
     timeout_s: float = Field(120.0, gt=0)
     """Gloo timeout of one collective; also bounds waiting for the engines' replies."""
-    protocol: Literal["transfer_mesh", "sglang"] = "transfer_mesh"
-    """``transfer_mesh``: checksummed buckets (our servers); ``sglang``: one broadcast per tensor (real SGLang)."""
+    protocol: Literal["auto", "transfer_mesh", "sglang"] = "auto"
+    """``transfer_mesh``: checksummed buckets (our servers); ``sglang``: one broadcast per tensor (real SGLang);
+    ``auto``: ``transfer_mesh`` when every server verifies buckets, else ``sglang``."""
 
 
 class DistributedControl(Protocol):
@@ -67,6 +71,12 @@ class DistributedControl(Protocol):
 
     def destroy_weights_update_group(self, group_name: str) -> None: ...
 
+    def speaks_transfer_mesh(self) -> bool: ...
+
+    def prepare_update(self, names: list[str], pause_mode: str = "retract") -> None: ...
+
+    def finish_update(self, version: int, replies: list[tuple[int, Any]] | None, flush_cache: bool = True) -> None: ...
+
 
 # ----------------------------------------------------------------------------------------------------- the group
 
@@ -74,15 +84,23 @@ class DistributedControl(Protocol):
 def make_group(
     address: str, port: int, rank: int, world_size: int, name: str, timeout_s: float, store: Any = None
 ) -> Any:
-    """A standalone gloo group of ``world_size`` (rank 0 hosts the TCPStore unless ``store`` is given)."""
+    """A standalone gloo group of ``world_size`` (rank 0 hosts the TCPStore unless ``store`` is given).
+
+    Its rendezvous keys are those of SGLang's ``init_custom_process_group`` (a ``PrefixStore`` named after the
+    group over the TCP store, then torch's own ``<group>/`` and ``cpu/`` prefixes, then the group's sequence
+    number), so a trainer can join the weight-update group of a real SGLang server as rank 0 and our servers join
+    the trainer's group the same way. It is not registered in torch's global group table (no name clashes)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(address, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+    keys = dist.PrefixStore("cpu/", dist.PrefixStore(f"{name}/", dist.PrefixStore(name, store)))
     gloo: Any = dist.ProcessGroupGloo  # its _Options is not in torch's type stubs
     opts = gloo._Options()
     opts._devices = [gloo.create_device(hostname=address)]
     opts._timeout = timeout
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"{name}/", store), rank, world_size, opts)
+    pg = dist.ProcessGroupGloo(keys, rank, world_size, opts)
+    pg._set_sequence_number_for_group()
+    return pg
 
 
 def broadcast(pg: Any, tensor: Tensor) -> Any:
@@ -198,6 +216,14 @@ class GlooTransport(TransportBase):
         self._store: Any = None
         self._buffers: list[Tensor] | None = None
         self._pool = cf.ThreadPoolExecutor(max(2, len(self.engines)), thread_name_prefix="transfer-mesh-gloo")
+        self._protocol: str | None = None
+
+    def protocol(self) -> str:
+        """The protocol in use: the configured one, or for ``auto`` what every engine's servers speak."""
+        if self._protocol is None:
+            auto = all(e.speaks_transfer_mesh() for e in self.engines)
+            self._protocol = self.cfg.protocol if self.cfg.protocol != "auto" else "transfer_mesh" if auto else "sglang"
+        return self._protocol
 
     @property
     def world_size(self) -> int:
@@ -228,21 +254,42 @@ class GlooTransport(TransportBase):
     def send(self, version: int, named: Mapping[str, Tensor]) -> UpdateReport:
         t0 = time.perf_counter()
         plan = self.plan_for(named)
-        if self._pg is None:
-            self._join()
-        report = UpdateReport(version, self.type, plan.total_bytes, plan.num_buckets)
-        body = {
-            "group_name": self.cfg.group_name,
-            "flush_cache": self.cfg.flush_cache,
-            "weight_version": str(version),
-            "pause_mode": self.cfg.pause_mode,
-        }
-        if self.cfg.protocol == "transfer_mesh":
-            body.update(plan.to_wire(), load_format="transfer_mesh")
+        plain = self.protocol() == "sglang"
+        if plain:  # unknown names are refused before the group is even joined
+            for e in self.engines:
+                e.prepare_update(list(plan.to_wire()["names"]), self.cfg.pause_mode)
+        try:
+            if self._pg is None:
+                self._join()
+            report = UpdateReport(version, self.type, plan.total_bytes, plan.num_buckets)
+            replies = self._deliver(plan, version, named, report, plain)
+        except BaseException:
+            if plain:
+                for e in self.engines:
+                    e.finish_update(version, None)
+            raise
+        if plain:
+            for e, mine in zip(self.engines, self._split(replies), strict=True):
+                e.finish_update(version, mine, self.cfg.flush_cache)
+            report.engines = [{"engine": k, "status": st} for k, (st, _) in enumerate(replies)]
         else:
+            self._collect(version, replies, report)
+        report.total_s = time.perf_counter() - t0
+        self.reports.append(report)
+        return report
+
+    def _deliver(
+        self, plan: TransferPlan, version: int, named: Mapping[str, Tensor], report: UpdateReport, plain: bool
+    ) -> list[tuple[int, Any]]:
+        """Stream the version while every server receives it; (status, reply) per server."""
+        body: dict[str, Any] = {"group_name": self.cfg.group_name, "flush_cache": self.cfg.flush_cache}
+        body["weight_version"] = str(version)
+        if plain:  # SGLang's own fields only (its session was begun by prepare_update)
             body.update({k: v for k, v in plan.to_wire().items() if k in ("names", "dtypes", "shapes")})
-        for e in self.engines:
-            e.begin_weight_update()
+        else:
+            body.update(plan.to_wire(), load_format="transfer_mesh", pause_mode=self.cfg.pause_mode)
+            for e in self.engines:
+                e.begin_weight_update()
         try:
             futures = [self._pool.submit(e.update_weights_from_distributed, body) for e in self.engines]
             try:
@@ -250,14 +297,19 @@ class GlooTransport(TransportBase):
             except BaseException:
                 self._reset()
                 raise
-            replies = [r for f in futures for r in f.result(timeout=self.cfg.timeout_s)]
+            return [r for f in futures for r in f.result(timeout=self.cfg.timeout_s)]
         finally:
-            for e in self.engines:
-                e.end_weight_update()
-        self._collect(version, replies, report)
-        report.total_s = time.perf_counter() - t0
-        self.reports.append(report)
-        return report
+            if not plain:
+                for e in self.engines:
+                    e.end_weight_update()
+
+    def _split(self, replies: list[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
+        """Replies per engine (each engine answers for its servers, in order)."""
+        out, i = [], 0
+        for e in self.engines:
+            out.append(replies[i : i + e.num_servers])
+            i += e.num_servers
+        return out
 
     def _stream(
         self, plan: TransferPlan, version: int, named: Mapping[str, Tensor], futures: list, report: UpdateReport
@@ -265,7 +317,7 @@ class GlooTransport(TransportBase):
         """Broadcast every bucket (packing the next one while earlier ones are in flight), then the end header."""
         t0 = time.perf_counter()
         inflight: list[tuple[Any, Tensor]] = []
-        if self.cfg.protocol == "sglang":
+        if self.protocol() == "sglang":
             for s in plan.slots:
                 inflight.append((broadcast(self._pg, named[s.name].detach().contiguous()), named[s.name]))
         else:

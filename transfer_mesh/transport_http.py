@@ -3,7 +3,10 @@
 With ``protocol: transfer_mesh`` (our servers) the buckets travel as shared-memory ``uint8`` tensors with the plan and
 their checksums in a ``transfer_mesh`` field, and each server verifies the whole version before applying it (pause,
 apply, flush or keep, resume on the server, which reports its stall). With ``protocol: sglang`` the tensors go as
-they are through the client's ``update_weights`` (real SGLang: the trainer side pauses around the whole update).
+they are through the client's ``update_weights``, which drives real SGLang's choreography from the trainer side
+(names checked before sending, retract or abort, begin/update/end, a checked flush, the label checked, continue).
+``auto`` (the default) takes ``transfer_mesh`` when every server announces it in ``/server_info`` and ``sglang``
+otherwise: a plain SGLang server answers success to buckets it cannot read, so they are never sent to one.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from transfer_mesh.transport import TransportBase, TransportConfig, UpdateReport, VersionRefused, choreograph
+from transfer_mesh.transport import TransportBase, TransportConfig, UpdateReport, VersionRefused
 
 
 class HttpConfig(TransportConfig):
     type: Literal["http"] = "http"
-    protocol: Literal["transfer_mesh", "sglang"] = "transfer_mesh"
-    """``transfer_mesh``: checksummed buckets (our servers); ``sglang``: plain named tensors (real SGLang)."""
+    protocol: Literal["auto", "transfer_mesh", "sglang"] = "auto"
+    """``transfer_mesh``: checksummed buckets (our servers); ``sglang``: plain named tensors (real SGLang); ``auto``:
+    ``transfer_mesh`` when every server verifies buckets, else ``sglang``."""
 
 
 class HttpTransport(TransportBase):
@@ -32,22 +36,30 @@ class HttpTransport(TransportBase):
         super().__init__(cfg, engines)
         self.cfg: HttpConfig = cfg
         self._buffers: list[Tensor] | None = None
+        self._protocol: str | None = None
+
+    def protocol(self) -> str:
+        """The protocol in use: the configured one, or for ``auto`` what every engine's servers speak."""
+        if self._protocol is None:
+            auto = all(e.speaks_transfer_mesh() for e in self.engines)
+            self._protocol = self.cfg.protocol if self.cfg.protocol != "auto" else "transfer_mesh" if auto else "sglang"
+        return self._protocol
 
     def send(self, version: int, named: Mapping[str, Tensor]) -> UpdateReport:
         t0 = time.perf_counter()
         plan = self.plan_for(named)
         report = UpdateReport(version, self.type, plan.total_bytes, plan.num_buckets)
-        if self.cfg.protocol == "sglang":
+        if self.protocol() == "sglang":
             for k, e in enumerate(self.engines):
-
-                def apply(e: Any = e) -> None:
-                    e.update_weights(version, dict(named))
-
+                t1 = time.perf_counter()
                 try:
-                    timing = choreograph(e, self.cfg.pause_mode, self.cfg.flush_cache, apply)
-                except ValueError as exc:
+                    e.update_weights(
+                        version, dict(named), pause_mode=self.cfg.pause_mode, flush_cache=self.cfg.flush_cache
+                    )
+                except VersionRefused as exc:
                     raise VersionRefused(f"engine {k} refused version {version}: {exc}") from exc
-                report.engines.append({"engine": k, **timing})
+                stall = time.perf_counter() - t1
+                report.engines.append({"engine": k, "stall_s": stall, "apply_s": stall})
         else:
             # fresh staging per version: the serialization moves it into shared memory that the servers copy out
             # of and that is released after the call (torch's file_system handles cannot be reopened)

@@ -78,6 +78,19 @@ def validation_error(loc: str, message: str) -> ProtocolError:
     return ProtocolError({"object": "error", "message": detail, "type": "Bad Request", "param": None, "code": 400})
 
 
+def error_text(body: Any) -> str:
+    """The message of any of SGLang's error bodies (``{error: {message}}``, ``{error: str}``, OpenAI style, text)."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err is not None:
+            return str(err)
+        if "message" in body:
+            return str(body["message"])
+    return str(body).strip()
+
+
 def version_label(version: int, labels: dict[int, str]) -> str:
     """Wire label of an int version (``labels`` holds non-numeric names set by callers)."""
     return labels.get(version, str(version))
@@ -225,13 +238,14 @@ def _sampling(sp: Any, eos_ids: tuple[int, ...]) -> tuple[SamplingParams, list[s
     seed = sp.get("sampling_seed")
     if seed is not None and not _is_int(seed):
         raise error_message(f"sampling_seed must be an int, got {seed!r}.")
-    eos = () if sp.get("ignore_eos") else eos_ids
+    # as SGLang: ignore_eos switches off stop_token_ids too (only max_new_tokens and stop strings end the request)
+    stops = () if sp.get("ignore_eos") else (*stop_ids, *eos_ids)
     params = SamplingParams(
         temperature=float(temperature),
         top_p=float(top_p),
         top_k=int(top_k),
         max_new_tokens=max_new,
-        stop_token_ids=tuple(dict.fromkeys([*stop_ids, *eos])),
+        stop_token_ids=tuple(dict.fromkeys(stops)),
         seed=seed,
     )
     return params, stop, n

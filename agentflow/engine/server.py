@@ -197,6 +197,8 @@ class SGLangServer(GenerateRoutes, WeightRoutes):
                 "disable_radix_cache": not self.engine.prefix_cache,
                 "weight_version": self._label(),
                 "version": SERVER_VERSION,
+                "transfer_mesh": True,  # verifies TransferMesh buckets (a plain SGLang server would skip them)
+                "enable_deterministic_inference": True,  # sampling_seed is always honoured here
                 "internal_states": [stats],
             }
         )

@@ -83,19 +83,19 @@ class GenerateRoutes(ServerBase):
             self._inflight.discard(track.rid)
 
     async def _prompt_logprobs(self, item: P.GenItem, opts: P.GenOptions) -> tuple[list[Any], list[Any]]:
-        """``input_token_logprobs`` and ``input_top_logprobs`` for ``prompt[logprob_start_len:]``."""
+        """``input_token_logprobs`` and ``input_top_logprobs`` from ``logprob_start_len`` on, as SGLang gives them:
+        null at the start position (its logits are not computed), values from the next one."""
         if not opts.return_logprob or opts.logprob_start_len < 0:
             return [], []
         prompt = item.prompt
-        start = min(opts.logprob_start_len, len(prompt))
-        first = max(start, 1)
+        start = min(opts.logprob_start_len, len(prompt) - 1)
         k = opts.top_logprobs_num
-        res = await self._op(self.engine.score, prompt, first, k) if first < len(prompt) else None
+        res = await self._op(self.engine.score, prompt, start + 1, k) if start + 1 < len(prompt) else None
         lps = res.logprobs if res else []
         tops = (res.top_logprobs or []) if res else []
-        triples: list[Any] = [[None, prompt[0], None]] if start == 0 else []
-        triples += [[lp, tok, None] for lp, tok in zip(lps, prompt[first:], strict=True)]
-        top_rows: list[Any] = [None] if start == 0 and k else []
+        triples: list[Any] = [[None, prompt[start], None]]
+        triples += [[lp, tok, None] for lp, tok in zip(lps, prompt[start + 1 :], strict=True)]
+        top_rows: list[Any] = [None] if k else []
         top_rows += [[[v, t, None] for t, v in row] for row in tops]
         return triples, top_rows
 

@@ -19,15 +19,22 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
 
 from agentflow.engine import protocol as P
+from agentflow.engine.protocol import error_text
+from agentflow.engine.sglang_weights import SGLangWeightUpdates
 from agentflow.engine.tensors import serialize_named_tensors
 from agentflow.types import GenerateResult, PauseMode, SamplingParams, ScoreResult
+from transfer_mesh.transport import VersionRefused
 
 T = TypeVar("T")
+PLAIN_SGLANG_BUCKETS = (
+    "a plain SGLang server would skip TransferMesh buckets (and still answer success): use protocol sglang or auto"
+)
 _REACHED_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError)
 
 
@@ -41,19 +48,6 @@ class SGLangRequestError(ValueError):
 
 class SGLangServerError(RuntimeError):
     """The server failed (HTTP 5xx) or no server could be reached."""
-
-
-def error_text(body: Any) -> str:
-    """The message of any of SGLang's error bodies (``{error: {message}}``, ``{error: str}``, OpenAI style, text)."""
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict):
-            return str(err.get("message", err))
-        if err is not None:
-            return str(err)
-        if "message" in body:
-            return str(body["message"])
-    return str(body).strip()
 
 
 def parse_generate_reply(data: dict[str, Any], rid: str | None = None) -> GenerateResult:
@@ -76,12 +70,21 @@ def parse_generate_reply(data: dict[str, Any], rid: str | None = None) -> Genera
     )
 
 
-def parse_score_reply(data: dict[str, Any]) -> ScoreResult:
-    """Prompt log-probs (``input_token_logprobs``; a leading null is dropped) of a scoring ``/generate``."""
+def parse_score_reply(data: dict[str, Any], ids: list[int] | None = None, start: int | None = None) -> ScoreResult:
+    """Prompt log-probs of a scoring ``/generate``: without ``ids``, every non-null ``input_token_logprobs`` entry;
+    with them, exactly the entries of ``ids[start:]`` (the reply's last ``len(ids) - start``; SGLang answers
+    ``logprob_start_len = s`` with null at ``s`` and values from ``s + 1``), checked id by id."""
     meta = data["meta_info"]
     triples = meta.get("input_token_logprobs") or []
     rows = meta.get("input_top_logprobs") or []
-    keep = [i for i, t in enumerate(triples) if t[0] is not None]
+    if ids is None or start is None:
+        keep = [i for i, t in enumerate(triples) if t[0] is not None]
+    else:
+        want = len(ids) - start
+        keep = list(range(len(triples) - want, len(triples)))
+        got = [int(triples[i][1]) for i in keep if i >= 0]
+        if len(got) != want or got != list(ids[start:]) or any(triples[i][0] is None for i in keep):
+            raise SGLangServerError(f"scoring reply does not cover tokens {start}..{len(ids) - 1} exactly")
     top = None
     if rows:
         top = [[(int(t[1]), float(t[0])) for t in rows[i]] for i in keep if i < len(rows) and rows[i]]
@@ -93,14 +96,19 @@ def parse_score_reply(data: dict[str, Any]) -> ScoreResult:
 
 
 def sampling_json(s: SamplingParams) -> dict[str, Any]:
-    """SGLang ``sampling_params`` for ours (EOS is ignored: like the embedded engine, only stop ids stop)."""
+    """SGLang ``sampling_params`` for ours.
+
+    SGLang's ``ignore_eos`` switches off ``stop_token_ids`` as well, so it is set only when there are no stop ids:
+    then, as in the embedded engine, nothing but ``max_new_tokens`` ends a generation. With stop ids, the model's own
+    EOS ids (its generation config) stop too; the agents' stop ids include them.
+    """
     out: dict[str, Any] = {
         "temperature": s.temperature,
         "top_p": s.top_p,
         "top_k": s.top_k,
         "max_new_tokens": s.max_new_tokens,
         "stop_token_ids": list(s.stop_token_ids),
-        "ignore_eos": True,
+        "ignore_eos": not s.stop_token_ids,
     }
     if s.seed is not None:
         out["sampling_seed"] = s.seed
@@ -114,8 +122,12 @@ class _Server:
     inflight: int = 0
 
 
-class SGLangEngine:
-    """InferenceEngine over SGLang-protocol servers at ``urls`` (``http://host:port``)."""
+class SGLangEngine(SGLangWeightUpdates):
+    """InferenceEngine over SGLang-protocol servers at ``urls`` (``http://host:port``).
+
+    ``model_dir``: the job's model directory (the servers serve the same model); weight updates are checked
+    against its tensor names when the servers' own checkpoint cannot be read here.
+    """
 
     def __init__(
         self,
@@ -125,6 +137,8 @@ class SGLangEngine:
         connect_timeout: float = 5.0,
         max_retries: int = 3,
         health_interval: float = 5.0,
+        model_dir: str | Path | None = None,
+        flush_timeout_s: float = 30.0,
     ) -> None:
         if not urls:
             raise ValueError("SGLangEngine needs at least one server url")
@@ -136,6 +150,11 @@ class SGLangEngine:
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._where: dict[str, int] = {}
         self._version = 0
+        self.model_dir = str(model_dir) if model_dir is not None else None
+        self.flush_timeout_s = flush_timeout_s
+        self._infos: list[dict[str, Any]] | None = None
+        self._kinds: list[str] | None = None
+        self._names: set[str] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-client", daemon=True)
@@ -227,6 +246,8 @@ class SGLangEngine:
         return self._run(self._generate(list(input_ids), sampling or SamplingParams(), rid or uuid.uuid4().hex))
 
     async def _generate(self, ids: list[int], sampling: SamplingParams, rid: str) -> GenerateResult:
+        if sampling.seed is not None:
+            await self._check_seeds()
         body = {"input_ids": ids, "sampling_params": sampling_json(sampling), "return_logprob": True, "rid": rid}
         status, data = await self._routed(rid.split(":", 1)[0], rid, "/generate", body)
         if status != 200:
@@ -278,14 +299,17 @@ class SGLangEngine:
         return cls(status, error_text(data)) if cls else SGLangServerError(f"HTTP {status}: {error_text(data)}")
 
     def score(self, ids: list[int], start: int, top_k: int = 0) -> ScoreResult:
-        """Log-probs of ``ids[start:]`` (``/generate`` with ``max_new_tokens`` 0 and ``logprob_start_len``)."""
+        """Log-probs of ``ids[start:]``, one per token (``/generate`` with ``max_new_tokens`` 0 and
+        ``logprob_start_len = start - 1``: SGLang's first entry there is null, the values follow)."""
         if not 1 <= start <= len(ids):
             raise ValueError(f"score start must be in [1, {len(ids)}], got {start}")
+        if start == len(ids):
+            return ScoreResult(logprobs=[], top_logprobs=[] if top_k else None, weight_version=self._version)
         body = {
             "input_ids": list(ids),
             "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
             "return_logprob": True,
-            "logprob_start_len": start,
+            "logprob_start_len": start - 1,
             "top_logprobs_num": top_k,
         }
 
@@ -293,7 +317,7 @@ class SGLangEngine:
             status, data = await self._routed(None, None, "/generate", body)
             if status != 200:
                 raise self._error(status, data)
-            return parse_score_reply(data)
+            return parse_score_reply(data, list(ids), start)
 
         return self._run(go())
 
@@ -339,30 +363,28 @@ class SGLangEngine:
         self._version = min(versions)
         return self._version
 
-    def update_weights(self, version: int, named_tensors: dict[str, Any]) -> None:
-        """Push a whole version to every server: begin, ``update_weights_from_tensor``, end (same host only:
-        tensors travel as shared-memory handles). Raises if any server refuses; the version is then not set."""
-        tensors = [(name, t.detach().to("cpu").clone()) for name, t in named_tensors.items()]
-        payload = serialize_named_tensors(tensors)
-        body = {"serialized_named_tensors": [payload], "flush_cache": True, "weight_version": str(version)}
+    def server_infos(self) -> list[dict[str, Any]]:
+        """Every server's ``/server_info`` (read once): its settings, ``version`` and capabilities."""
+        if self._infos is None:
+            self._infos = [d if isinstance(d, dict) else {} for _, d in self._broadcast("/server_info", method="GET")]
+        return self._infos
 
-        async def one(srv: _Server) -> str | None:
-            await self._request(srv, "POST", "/begin_weight_update", {})
-            try:
-                status, data = await self._request(srv, "POST", "/update_weights_from_tensor", body)
-            finally:
-                await self._request(srv, "POST", "/end_weight_update", {})
-            ok = status == 200 or error_text(data).startswith("Weights were updated")  # SGLang's in-place quirk
-            return None if ok else f"{srv.url}: HTTP {status}: {error_text(data)}"
-
-        async def all_() -> list[str | None]:
-            return list(await asyncio.gather(*(one(s) for s in self.servers)))
-
-        problems = [p for p in self._run(all_()) if p]
-        del tensors  # the servers have copied them out of shared memory
-        if problems:
-            raise ValueError(f"weight update to version {version} failed: {'; '.join(problems)}")
-        self._version = version
+    async def _check_seeds(self) -> None:
+        """A seeded request needs servers that honour ``sampling_seed``: SGLang ignores it unless started with
+        ``--enable-deterministic-inference`` (our servers always honour it)."""
+        if self._infos is None:
+            replies = await asyncio.gather(*(self._request(s, "GET", "/server_info") for s in self.servers))
+            self._infos = [d if isinstance(d, dict) else {} for _, d in replies]
+        off = [
+            s.url
+            for s, i in zip(self.servers, self._infos, strict=True)
+            if i.get("enable_deterministic_inference") is False
+        ]
+        if off:
+            raise ValueError(
+                f"sampling.seed is set but SGLang server(s) {off} ignore seeds (they run without "
+                "--enable-deterministic-inference): start them with it, or leave the seed unset"
+            )
 
     # ------------------------------------------------------------- TransferMesh: distributed and bucketed updates
 
@@ -415,8 +437,11 @@ class SGLangEngine:
     def update_weights_from_distributed(self, body: dict[str, Any]) -> list[tuple[int, Any]]:
         """``/update_weights_from_distributed`` on every server (inside begin/end; the trainer broadcasts
         meanwhile). Returns each server's (status, reply); when all succeed, an int label becomes the version."""
+        if body.get("load_format") == "transfer_mesh" and not self.speaks_transfer_mesh():
+            raise VersionRefused(PLAIN_SGLANG_BUCKETS)
         replies = self._each("/update_weights_from_distributed", [body] * len(self.servers))
-        self._adopt(body.get("weight_version"), replies)
+        if body.get("load_format") == "transfer_mesh":
+            self._adopt(body.get("weight_version"), replies)
         return replies
 
     def update_weights_from_buckets(
@@ -426,6 +451,8 @@ class SGLangEngine:
         ``transfer_mesh`` field (plan and checksums), inside begin/end on every server; (status, reply) each."""
         from transfer_mesh.receiver import BUCKET_PREFIX
 
+        if not self.speaks_transfer_mesh():
+            raise VersionRefused(PLAIN_SGLANG_BUCKETS)
         payload = serialize_named_tensors([(f"{BUCKET_PREFIX}{i}", b) for i, b in enumerate(buckets)])
         body: dict[str, Any] = {"serialized_named_tensors": [payload], "weight_version": str(version)}
         body.update(transfer_mesh=ext, pause_mode=pause_mode, flush_cache=flush_cache)
