@@ -18,6 +18,7 @@ import numpy as np
 from gymnasium import spaces
 
 from envs.errors import ActionError, EnvError, VerifierError
+from envs.limits import DEFAULT_LIMITS, ActionLimits, check_action_text, check_text, check_value_tree
 from envs.tasks import TaskSet
 
 ACTION_FORMAT = 'expected {"tool": NAME, "arguments": {...}} or {"answer": TEXT}'
@@ -100,32 +101,50 @@ class AnswerAction:
     text: str
 
 
-def parse_action(s: str) -> ToolAction | AnswerAction:
+def parse_action(s: str, limits: ActionLimits = DEFAULT_LIMITS) -> ToolAction | AnswerAction:
     """Parse a canonical action string; raises :class:`ActionError` saying what is wrong.
 
-    ``"arguments"`` may be omitted (it then means ``{}``); any other extra key is an error.
+    ``"arguments"`` may be omitted (it then means ``{}``); any other extra key is an error. ``limits`` bound the
+    action's size, its strings, its nesting and its numbers (:mod:`envs.limits`).
     """
     if not isinstance(s, str):
         raise ActionError(f"action must be a string, got {type(s).__name__}; {ACTION_FORMAT}")
-    try:
-        obj = json.loads(s)
-    except json.JSONDecodeError as e:
-        raise ActionError(f"action is not valid JSON ({e.msg} at position {e.pos}); {ACTION_FORMAT}") from None
+    check_action_text(s, limits)
+    if not s.strip():
+        raise ActionError(f"action is empty; {ACTION_FORMAT}")
+    obj = _load_json(s)
     if not isinstance(obj, dict):
         raise ActionError(f"action must be a JSON object, got {type(obj).__name__}; {ACTION_FORMAT}")
     keys = set(obj)
     if keys == {"answer"}:
         if not isinstance(obj["answer"], str):
             raise ActionError(f'"answer" must be a string, got {type(obj["answer"]).__name__}')
+        check_text(obj["answer"], "the answer", limits)
         return AnswerAction(obj["answer"])
     if "tool" in keys and keys <= {"tool", "arguments"}:
         name, args = obj["tool"], obj.get("arguments", {})
         if not isinstance(name, str) or not name:
             raise ActionError('"tool" must be a non-empty string naming a tool')
+        check_text(name, "the tool name", limits)
         if not isinstance(args, dict):
             raise ActionError(f'"arguments" must be a JSON object, got {type(args).__name__}')
+        check_value_tree(args, "arguments", limits)
         return ToolAction(name, args)
-    raise ActionError(f"action has keys {sorted(keys)}; {ACTION_FORMAT}")
+    shown = sorted(k if len(k) <= 40 else k[:37] + "..." for k in list(keys)[:8])
+    raise ActionError(f"action has keys {shown}; {ACTION_FORMAT}")
+
+
+def _load_json(s: str) -> Any:
+    """``json.loads``, with every way it can fail (nesting past the recursion limit, an integer with more digits than
+    Python converts) as an :class:`ActionError`."""
+    try:
+        return json.loads(s)
+    except json.JSONDecodeError as e:
+        raise ActionError(f"action is not valid JSON ({e.msg} at position {e.pos}); {ACTION_FORMAT}") from None
+    except RecursionError:
+        raise ActionError("action nests too deeply to parse") from None
+    except ValueError as e:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        raise ActionError(f"action is not usable JSON ({e})") from None
 
 
 def tool_action(name: str, args: dict[str, Any] | None = None) -> str:
@@ -169,6 +188,15 @@ def validate_arguments(spec: ToolSpec, args: dict[str, Any]) -> None:
             raise ActionError(f"argument {key!r} of tool {spec.name!r} must be {' or '.join(names)}, got {got}")
         if "enum" in prop and value not in prop["enum"]:
             raise ActionError(f"argument {key!r} of tool {spec.name!r} must be one of {prop['enum']}")
+        check_max_length(prop, value, f"argument {key!r} of tool {spec.name!r}")
+
+
+def check_max_length(schema: dict[str, Any], value: Any, where: str) -> None:
+    """The schema's ``maxLength`` (strings) and ``maxItems`` (arrays), when it declares them."""
+    if isinstance(value, str) and len(value) > schema.get("maxLength", len(value)):
+        raise ActionError(f"{where} is {len(value)} characters; this tool takes at most {schema['maxLength']}")
+    if isinstance(value, list) and len(value) > schema.get("maxItems", len(value)):
+        raise ActionError(f"{where} has {len(value)} items; this tool takes at most {schema['maxItems']}")
 
 
 def _is_type(value: Any, name: str) -> bool:
@@ -197,6 +225,8 @@ class AgentEnv(gymnasium.Env[str, str]):
     max_turns: int = 8
     max_observation_chars: int = 16384
     task_sets: dict[str, TaskSet] = {}
+    action_limits: ActionLimits = DEFAULT_LIMITS
+    """Bounds on one action (size, strings, nesting, numbers); see :mod:`envs.limits`."""
 
     def __init__(self, max_turns: int | None = None) -> None:
         if max_turns is not None:
@@ -303,7 +333,7 @@ class AgentEnv(gymnasium.Env[str, str]):
             raise EnvError("the episode is over (or never started): call reset() before step()")
         self._turn += 1
         try:
-            parsed = parse_action(action)
+            parsed = parse_action(action, self.action_limits)
             if isinstance(parsed, ToolAction):
                 spec = self.tool_spec(parsed.tool)
                 if spec is None:

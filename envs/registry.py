@@ -4,11 +4,20 @@ Ids follow Gymnasium's manners: ``Name-vN`` or ``namespace/Name-vN``; ``module:n
 first (it registers the id). Third-party packages add environments by
 declaring an entry point in group ``agentflow.envs`` (a module to import, or a no-argument function to call, that
 calls :func:`register`); they are loaded once, the first time an id is not found (or on :func:`list_envs`).
+
+The two registries are one: :func:`register` also registers the id in Gymnasium's registry (same entry point and
+kwargs), so ``gymnasium.make("agentflow/Calc-v0")`` builds it once ``envs`` is imported; and an id registered only
+with ``gymnasium.register`` is found here too, adapted by :class:`envs.gym_adapter.GymTextEnv` when its spaces carry
+text (it is refused with the reason when they do not).
+
+An env may declare its scripted expert (``register(..., expert="module:function")`` or a callable taking
+``(env, history)`` and returning an action): jobs use it for warm-up SFT and the scripted baseline.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import re
 import threading
@@ -44,6 +53,10 @@ class EnvSpec:
     entry_point: str | Callable[..., Any]
     kwargs: dict[str, Any] = field(default_factory=dict)
     max_turns: int | None = None
+    expert: str | Callable[..., Any] | None = None
+    """The env's scripted expert, ``module:function`` or a callable ``(env, history) -> action``; None: none."""
+    source: str = "agentflow"
+    """``agentflow`` (registered here) or ``gymnasium`` (only in Gymnasium's registry, built through the adapter)."""
 
     @property
     def namespace(self) -> str | None:
@@ -61,19 +74,46 @@ class EnvSpec:
         return parse_id(self.id)[2]
 
     def make(self, **kwargs: Any) -> Any:
-        """Build the environment with the registered kwargs overridden by ``kwargs``."""
+        """Build the environment with the registered kwargs overridden by ``kwargs``.
+
+        ``action_limits`` (an :class:`~envs.limits.ActionLimits` or a dict of its fields) is not passed to the
+        constructor: it replaces the built env's limits (:mod:`envs.limits`).
+        """
         creator = _load_entry_point(self.entry_point)
         merged = {**self.kwargs, **kwargs}
+        limits = merged.pop("action_limits", None)
         if self.max_turns is not None:
             merged.setdefault("max_turns", self.max_turns)
         env = creator(**merged)
-        _attach_gym_spec(env, self, merged)
+        if limits is not None:
+            _set_limits(env, limits)
+        if self.source == "agentflow":
+            _attach_gym_spec(env, self, merged)
         return env
+
+    def load_expert(self) -> Callable[..., Any] | None:
+        """The declared expert as a callable (None when the env declares none)."""
+        if self.expert is None:
+            return None
+        try:
+            return _load_entry_point(self.expert)
+        except EnvError as e:
+            raise EnvError(f"the expert {self.expert!r} declared by {self.id!r} cannot be loaded: {e}") from e
 
 
 _registry: dict[str, EnvSpec] = {}
+_mirrored: dict[str, Any] = {}
+"""Gymnasium specs this registry wrote into Gymnasium's (they are ours, not Gymnasium-only envs)."""
 _lock = threading.RLock()
 _plugins_loaded = False
+
+
+def _check_callable_path(what: str, value: str | Callable[..., Any]) -> None:
+    if isinstance(value, str):
+        if ":" not in value:
+            raise InvalidEnvIdError(f"{what} {value!r} must look like 'package.module:Attribute'")
+    elif not callable(value):
+        raise TypeError(f"{what} must be a 'module:Attribute' string or a callable, got {value!r}")
 
 
 def register(
@@ -81,25 +121,52 @@ def register(
     entry_point: str | Callable[..., Any],
     kwargs: dict[str, Any] | None = None,
     max_turns: int | None = None,
+    expert: str | Callable[..., Any] | None = None,
 ) -> EnvSpec:
     """Register an environment; ``entry_point`` is ``"module:Class"`` or a callable returning the env.
 
     ``max_turns`` (when given) is passed to the constructor as ``max_turns=`` unless the caller passes one.
-    Re-registering an id replaces it (with a warning when the spec differs).
+    ``expert``: the env's scripted expert (``"module:function"`` or a callable ``(env, history) -> action``).
+    The id is registered in Gymnasium's registry too. Re-registering an id replaces it (with a warning when the
+    spec differs).
     """
     parse_id(id)
-    if isinstance(entry_point, str):
-        if ":" not in entry_point:
-            raise InvalidEnvIdError(f"entry_point {entry_point!r} must look like 'package.module:Attribute'")
-    elif not callable(entry_point):
-        raise TypeError(f"entry_point must be a 'module:Attribute' string or a callable, got {entry_point!r}")
-    new = EnvSpec(id, entry_point, dict(kwargs or {}), max_turns)
+    _check_callable_path("entry_point", entry_point)
+    if expert is not None:
+        _check_callable_path("expert", expert)
+    new = EnvSpec(id, entry_point, dict(kwargs or {}), max_turns, expert)
     with _lock:
         old = _registry.get(id)
         if old is not None and old != new:
             warnings.warn(f"overriding environment {id!r} already registered", stacklevel=2)
         _registry[id] = new
+        _mirror(new)
     return new
+
+
+def _mirror(env_spec: EnvSpec) -> None:
+    """Write ``env_spec`` into Gymnasium's registry (without Gymnasium's override warning: ours already warned)."""
+    from gymnasium.envs.registration import EnvSpec as GymSpec
+    from gymnasium.envs.registration import registry as gym_registry
+
+    kwargs = dict(env_spec.kwargs)
+    if env_spec.max_turns is not None:
+        kwargs.setdefault("max_turns", env_spec.max_turns)
+    gym_spec = GymSpec(id=env_spec.id, entry_point=env_spec.entry_point, kwargs=kwargs)
+    gym_registry[env_spec.id] = gym_spec
+    _mirrored[env_spec.id] = gym_spec
+
+
+def _gymnasium_spec(env_id: str) -> EnvSpec | None:
+    """An id registered only in Gymnasium's registry, as a spec built through the text adapter."""
+    from gymnasium.envs.registration import registry as gym_registry
+
+    gym_spec = gym_registry.get(env_id)
+    if gym_spec is None or _mirrored.get(env_id) is gym_spec:
+        return None
+    from envs.gym_adapter import make_from_gymnasium
+
+    return EnvSpec(env_id, functools.partial(make_from_gymnasium, env_id), source="gymnasium")
 
 
 def spec(id: str) -> EnvSpec:  # noqa: A002
@@ -120,6 +187,8 @@ def spec(id: str) -> EnvSpec:  # noqa: A002
         load_plugins()
         with _lock:
             found = _registry.get(id)
+    if found is None:
+        found = _gymnasium_spec(id)
     if found is None:
         raise UnknownEnvError(_unknown_message(id))
     return found
@@ -199,6 +268,18 @@ def _load_entry_point(entry_point: str | Callable[..., Any]) -> Callable[..., An
     except (ImportError, AttributeError) as e:
         raise EnvError(f"cannot load entry point {entry_point!r}: {e}") from e
     return obj
+
+
+def _set_limits(env: Any, limits: Any) -> None:
+    from envs.core import AgentEnv
+    from envs.limits import ActionLimits
+
+    if not isinstance(env, AgentEnv):
+        raise EnvError(f"action_limits applies to AgentEnv environments, not {type(env).__name__}")
+    try:
+        env.action_limits = ActionLimits.coerce(limits, env.action_limits)
+    except (TypeError, ValueError) as e:
+        raise EnvError(str(e)) from None
 
 
 def _attach_gym_spec(env: Any, env_spec: EnvSpec, kwargs: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union, get_args, get_origin
 
-from envs.core import AgentEnv, ToolSpec
+from envs.core import AgentEnv, ToolSpec, check_max_length
 from envs.errors import ActionError, EnvError
 
 SUPPORTED = "str, int, float, bool, list[T], dict[str, T], Literal[...], T | None"
@@ -175,6 +175,7 @@ def check_value(schema: dict[str, Any], value: Any, where: str) -> Any:
         raise ActionError(f"{where} must be {' or '.join(names)}, got {_json_name(value)}")
     if "enum" in schema and value not in schema["enum"]:
         raise ActionError(f"{where} must be one of {schema['enum']}, got {value!r}")
+    check_max_length(schema, value, where)
     if kind == "number":
         return float(value)
     if kind == "array":
