@@ -78,10 +78,20 @@ def _run_envs(args: argparse.Namespace) -> int:
 
 def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """Allow `agentflow train key=value` without a config file."""
+    from pathlib import Path
+
+    from agentflow.config import ConfigError
+
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not config.endswith((".yaml", ".yml")):
         overrides.insert(0, config)
         config = None
+    looks_dotted = "." in config and "/" not in config and not config.endswith((".yaml", ".yml")) if config else False
+    if config is not None and looks_dotted and not Path(config).exists():
+        raise ConfigError(f"'{config}' is neither a config file nor key=value (did you mean '{config}=VALUE'?)")
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value (did you mean '{item}=VALUE'?)")
     return config, overrides
 
 

@@ -200,6 +200,9 @@ class RunConfig(Section):
     ``sync``: generate a batch, then train (``stale_steps`` 0, dispatch closed while training)."""
     steps: int = Field(20, ge=0)
     """RL steps (optimizer steps, each one weight version)."""
+    overwrite: bool = False
+    """Start over in a run directory that already holds a run (its journal, metrics, checkpoints and summary are
+    removed first); otherwise such a directory is refused, and ``agentflow train --resume DIR`` continues it."""
     seed: int = 0
     """Seed of task sampling."""
     checkpoint_every: int = Field(0, ge=0)
@@ -301,9 +304,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        if data is None:  # an empty file is a mistake, not a request for the default job
+            raise ConfigError(f"config file {p} is empty (omit the file to run with the defaults)")
         if not isinstance(data, dict):
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
     for item in overrides or []:

@@ -29,3 +29,39 @@ def test_missing_model_dir_without_init(capsys, tmp_path):
     assert code == 2
     err = capsys.readouterr().err
     assert f"model directory not found: {tmp_path}/absent" in err and "agentflow model init" in err
+
+
+def test_small_mistakes_get_one_line(capsys, tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    cases = [
+        (["train", str(empty)], "is empty"),
+        (
+            ["train", "run.steps"],
+            "'run.steps' is neither a config file nor key=value (did you mean 'run.steps=VALUE'?)",
+        ),
+        (["train", "configs/demo.yaml", "run.steps"], "override 'run.steps' is not key=value"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("agentflow: error: ") and "\n" not in err and expected in err, err
+
+
+def test_a_run_directory_holding_a_run_is_refused_unless_resumed_or_overwritten(capsys, tmp_path):
+    from agentflow.config import load_config
+    from agentflow.recipes.common import claim_run_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "journal.jsonl").write_text('{"id": "x"}\n')
+    (run / "checkpoints" / "step_1.pt").write_bytes(b"x")
+    (run / "notes.txt").write_text("mine")
+    assert main(["train", f"run.dir={run}", "sft.enabled=false"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run (journal.jsonl, checkpoints)" in err and f"--resume {run}" in err
+    claim_run_dir(load_config(None, [f"run.dir={run}"]), resume=True)  # resuming keeps everything
+    assert (run / "journal.jsonl").is_file()
+    claim_run_dir(load_config(None, [f"run.dir={run}", "run.overwrite=true"]), resume=False)
+    assert not (run / "journal.jsonl").exists() and not (run / "checkpoints").exists()
+    assert (run / "notes.txt").read_text() == "mine"  # only what a run writes is removed

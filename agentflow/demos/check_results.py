@@ -65,7 +65,13 @@ def run_result(name: str, runs: Path, quick: bool = False) -> Path:
         from agentflow.config import load_config
         from agentflow.recipes.rl import run_job
 
-        over = [*res.overrides, f"run.dir={run_dir}", "run.progress=false", *(QUICK if quick else [])]
+        over = [
+            *res.overrides,
+            f"run.dir={run_dir}",
+            "run.progress=false",
+            "run.overwrite=true",
+            *(QUICK if quick else []),
+        ]
         run_job(load_config(res.config, over))
         return run_dir
     from agentflow.demos import distill

@@ -119,13 +119,17 @@ def run_jobs(overrides: list[str], which: list[str]) -> dict[str, Any]:
 
     out = {}
     if "distill" in which:
-        cfg = load_config(CONFIG, ["run.progress=false", f"eval.episodes={EVAL_EPISODES}", *overrides])
+        cfg = load_config(
+            CONFIG, ["run.progress=false", "run.overwrite=true", f"eval.episodes={EVAL_EPISODES}", *overrides]
+        )
         out["distill"] = run_distill(cfg)
     if "rl" in which:
         base = load_config(CONFIG, ["run.progress=false", *overrides])
         rl = ["teachers={}", "trainer.drop_uniform_groups=true", f"run.dir={ROOT / 'rl'}"]
         rl.append(f"run.steps={rl_steps(base)}")
-        cfg = load_config(CONFIG, ["run.progress=false", f"eval.episodes={EVAL_EPISODES}", *overrides, *rl])
+        cfg = load_config(
+            CONFIG, ["run.progress=false", "run.overwrite=true", f"eval.episodes={EVAL_EPISODES}", *overrides, *rl]
+        )
         out["rl"] = run_rl_per_source(cfg)
     return out
 

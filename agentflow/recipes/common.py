@@ -32,10 +32,39 @@ def ensure_model(cfg: JobConfig) -> Path:
 
 
 def begin(cfg: JobConfig, recipe: str, resume: bool = False) -> None:
-    """What every recipe checks first: keys it cannot honour, the thread count, every env id of the job."""
+    """What every recipe checks first: keys it cannot honour, the thread count, every env id of the job, and a run
+    directory that holds an earlier run (refused unless resumed or ``run.overwrite``)."""
     refuse_unsupported(cfg, recipe, resume)
     pin_threads(cfg.run.threads)
     check_env_ids(cfg)
+    claim_run_dir(cfg, resume)
+
+
+RUN_FILES = ("journal.jsonl", "metrics.jsonl", "summary.json", "eval_before.json", "processes.json", "config.yaml",
+             "report.png", "success.png")  # fmt: skip
+RUN_DIRS = ("checkpoints", "tensorboard", "model", "seq_kd", "ray")
+"""What a run writes into its directory (``run.overwrite`` removes these and nothing else)."""
+
+
+def claim_run_dir(cfg: JobConfig, resume: bool) -> None:
+    """A fresh run starts in a directory without another run's journal or checkpoints: appending to them would mix
+    two runs (and a later resume would find trajectory ids twice)."""
+    import shutil
+
+    run_dir = Path(cfg.run.dir)
+    if resume:
+        return
+    held = [n for n in ("journal.jsonl", "metrics.jsonl") if (run_dir / n).is_file() and (run_dir / n).stat().st_size]
+    held += ["checkpoints"] if any((run_dir / "checkpoints").glob("*")) else []
+    if held and not cfg.run.overwrite:
+        raise JobError(
+            f"run.dir {run_dir} already holds a run ({', '.join(held)}): continue it with "
+            f"`agentflow train --resume {run_dir}`, or set run.overwrite=true to start over"
+        )
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    for name in RUN_DIRS:
+        shutil.rmtree(run_dir / name, ignore_errors=True)
 
 
 def check_env_ids(cfg: JobConfig) -> None:
