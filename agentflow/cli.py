@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     check = envs_p.add_parser("check", help="run gymnasium check_env + async conformance on an environment")
     check.add_argument("env_id")
     check.add_argument("--seed", type=int, default=7)
+    check.add_argument("--fuzz", type=int, default=0, metavar="N", help="then send N malformed actions")
+    check.add_argument("--fuzz-seed", type=int, default=None, help="seed of the malformed actions (default: fresh)")
     play = envs_p.add_parser("play", help="play an episode: type canonical JSON actions (or a bare answer) per line")
     play.add_argument("env_id")
     play.add_argument("--seed", type=int, default=0)
@@ -64,7 +67,7 @@ def _run_envs(args: argparse.Namespace) -> int:
     if args.envs_cmd == "check":
         from envs.console import check
 
-        check(args.env_id, seed=args.seed)
+        check(args.env_id, seed=args.seed, fuzz=args.fuzz, fuzz_seed=args.fuzz_seed)
         return 0
     if args.envs_cmd == "play":
         from envs.console import play
@@ -166,6 +169,8 @@ def _train(cmd: str, cfg: JobConfig, resume: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if "" not in sys.path and os.getcwd() not in sys.path:  # `module:id` finds the user's files, as `python -m` does
+        sys.path.insert(0, os.getcwd())
     from agentflow.builder import JobError
     from agentflow.config import ConfigError
     from agentflow.resume import ResumeError

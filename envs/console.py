@@ -23,10 +23,13 @@ def _one_line(text: str, limit: int = 400) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def check(env_id: str, seed: int = 7, out: TextIO | None = None) -> list[str]:
+def check(
+    env_id: str, seed: int = 7, out: TextIO | None = None, fuzz: int = 0, fuzz_seed: int | None = None
+) -> list[str]:
     """Build ``env_id`` and run ``check_agent_env``; returns Gymnasium's warnings, raises :class:`EnvCheckError`.
 
-    Output goes to ``out`` (default: ``sys.stdout``).
+    ``fuzz``: then send that many malformed actions (:mod:`envs.fuzz`, from ``fuzz_seed``, a fresh one when None;
+    printed either way, so a failure can be replayed). Output goes to ``out`` (default: ``sys.stdout``).
     """
     out = out or sys.stdout
     from envs.checker import check_agent_env
@@ -40,21 +43,50 @@ def check(env_id: str, seed: int = 7, out: TextIO | None = None) -> list[str]:
     except EnvError as e:
         if isinstance(e, EnvCheckError | KeyError):
             raise
+        _close(env)
         raise EnvCheckError(f"{env_id} fails the env check: {type(e).__name__}: {_one_line(e)}") from e
     except Exception as e:  # noqa: BLE001 - any failure of the env is the verdict, said in one line
+        _close(env)
         reason = _one_line(e) or "(no message)"
         raise EnvCheckError(f"{env_id} fails the env check: {type(e).__name__}: {reason}") from e
-    finally:
-        if env is not None:
-            try:
-                env.close()
-            except Exception:  # noqa: BLE001 - the verdict matters more than a failing close
-                pass
     notes = sorted({_one_line(w.message) for w in caught})
     for note in notes:
         print(f"warning: {note}", file=out)
     print(f"ok: {env_id} passes gymnasium check_env and the async/AgentEnv conformance checks", file=out)
+    try:
+        if fuzz > 0:
+            run_fuzz(env, env_id, fuzz, fuzz_seed, out)
+    finally:
+        _close(env)
     return notes
+
+
+def run_fuzz(env: AgentEnv, env_id: str, n: int, seed: int | None, out: TextIO) -> None:
+    """``n`` malformed actions from ``seed`` (a fresh one when None); raises :class:`EnvCheckError` on a failure."""
+    import secrets
+
+    from envs.fuzz import fuzz_env, step_timeout
+
+    seed = secrets.randbelow(2**31) if seed is None else seed
+    print(f"fuzz: {n} malformed actions, seed {seed}, step timeout {step_timeout(env):g} s", file=out, flush=True)
+    report = fuzz_env(env, n, seed)
+    if not report.ok:
+        replay = f"agentflow envs check {env_id} --fuzz {n} --fuzz-seed {seed}"
+        more = f" (and {len(report.failures) - 1} more)" if len(report.failures) > 1 else ""
+        raise EnvCheckError(
+            f"{env_id} fails the fuzz check (seed {seed}): {report.failures[0]}{more}; replay: {replay}"
+        )
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(report.kinds.items()))
+    print(f"ok: {env_id} answers {n} malformed actions (seed {seed}) in {report.wall_s:.1f} s, slowest step "
+          f"{report.slowest_s:.2f} s, and resets after them [{kinds}]", file=out)  # fmt: skip
+
+
+def _close(env: Any) -> None:
+    if env is not None:
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001 - the verdict matters more than a failing close
+            pass
 
 
 def line_to_action(line: str) -> str | None:
