@@ -22,8 +22,9 @@ from agentflow.chat import ChatTokenizer
 from agentflow.config import JobConfig
 from agentflow.files import dump_json
 from agentflow.metrics import MetricsLogger
-from agentflow.rollout import BusyTracker, EnvPool, Rollouts
+from agentflow.rollout import BusyTracker, EnvPool, EnvTimeouts, Rollouts
 from agentflow.store import Journal, TrajectoryStore
+from agentflow.threads import use_daemon_threads
 from agentflow.types import EnvProvider, InferenceEngine
 from envs.tasks import DataMixture, DataSource
 from trainer.types import TrainerGroup, TrainerSettings
@@ -197,10 +198,15 @@ async def build_job(
     """
     from transfer_mesh.transport import make_transport
 
+    use_daemon_threads()  # a hung tool call must not hold the job's exit
     async with AsyncExitStack() as stack:
         trainer, engine, pool, runtime = await _trainer_engine_pool(cfg, policy_dir, run_dir, stack)
         transport = make_transport(cfg.transfer, [engine])
         stack.callback(transport.close)
+        if cfg.engine.type == "sglang":  # servers keep what they last served: the job's version 0 goes first
+            from agentflow.controller import sync_weights
+
+            await sync_weights(trainer, transport)
         journal = Journal(run_dir / "journal.jsonl")
         stack.callback(journal.close)
         s = cfg.store
@@ -210,7 +216,9 @@ async def build_job(
         await agent.start(engine, tokenizer)
         stack.push_async_callback(agent.close)
         r = cfg.rollout
-        rollouts = Rollouts(engine, tokenizer, pool, cfg.engine.max_len, r.max_concurrency, agent, r.episode_retries)
+        timeouts = EnvTimeouts(r.reset_timeout_s, r.step_timeout_s)
+        rollouts = Rollouts(engine, tokenizer, pool, cfg.engine.max_len, r.max_concurrency, agent, r.episode_retries,
+                            timeouts)  # fmt: skip
         metrics = MetricsLogger(run_dir, cfg.run.progress)
         stack.callback(metrics.close)
         job = Job(cfg, run_dir, policy_dir, trainer, engine, transport, pool, data_mixture(cfg), store, agent,

@@ -24,6 +24,10 @@ from typing import Literal
 from agentflow.types import NO_VERSION, Group, Trajectory
 
 
+class FutureVersionError(RuntimeError):
+    """A trajectory carries a weight version the trainer has not reached (negative staleness)."""
+
+
 class Journal:
     """Append-only, fsync'd JSONL of accepted trajectories (one line each)."""
 
@@ -268,6 +272,7 @@ class TrajectoryStore:
                 if batch is not None:
                     break
                 await self._cond.wait()
+            self._refuse_future_versions(batch)
             self.last_batch_len = _Lengths()
             for g in batch:
                 del self._live[g.id]
@@ -281,6 +286,17 @@ class TrajectoryStore:
                 self.gate_closures += 1
             self._cond.notify_all()
             return batch
+
+    def _refuse_future_versions(self, batch: list[Group]) -> None:
+        """A token newer than the trainer means an engine served weights this job never sent (a server left at a
+        later version by another job): its staleness would be negative, and training on it is refused."""
+        for g in batch:
+            for t in g.trajectories:
+                if t.max_version() > self.trainer_version:
+                    raise FutureVersionError(
+                        f"trajectory {t.id} has tokens of weight version {t.max_version()}, but the trainer is at "
+                        f"version {self.trainer_version}: the engine serves weights this job did not send"
+                    )
 
     def _choose(self) -> list[Group] | None:
         if self.collect == "fifo":

@@ -43,3 +43,14 @@ def pair(tmp_path_factory):
     weights = {k: v * 10.0 if "proj" in k or "embed" in k else v for k, v in weights.items()}
     save_file(weights, str(teacher / "model.safetensors"), metadata={"format": "pt"})
     return student, teacher
+
+
+@pytest.fixture(scope="session")
+def sglang_server(tmp_path_factory):
+    """A live SGLang server on CPU (tests/sglang_live.py), shared by the ``sglang`` tests of a session."""
+    from sglang_live import start_server, venv_ready
+
+    require(venv_ready(), "the SGLang test venv (scripts/sglang_test_venv.sh)")
+    server = start_server(tmp_path_factory.mktemp("sglang"))
+    yield server
+    server.close()

@@ -117,6 +117,14 @@ class KeepsCacheOnUpdate(Protocol):
     keep_cache_on_update: bool
 
 
+@runtime_checkable
+class ChoreographsUpdates(Protocol):
+    """An engine whose own ``update_weights`` pauses, applies, flushes (checked) and resumes (the SGLang client:
+    real SGLang needs its own choreography), so :func:`choreograph` only times it."""
+
+    choreographs_updates: bool
+
+
 def choreograph(engine: LocalEngine, pause_mode: str, flush_cache: bool, apply: Callable[[], None]) -> dict[str, float]:
     """Pause ``engine`` (unless ``none``), run ``apply``, flush or keep its prefix cache, resume; time the stall.
 
@@ -124,6 +132,11 @@ def choreograph(engine: LocalEngine, pause_mode: str, flush_cache: bool, apply: 
     ``flush_cache()`` after the update when asked. Exceptions from ``apply`` propagate after the engine has resumed
     (it keeps serving its previous version).
     """
+    if isinstance(engine, ChoreographsUpdates) and engine.choreographs_updates:
+        t0 = time.perf_counter()
+        apply()
+        took = time.perf_counter() - t0
+        return {"stall_s": took, "apply_s": took}
     keeper = engine if isinstance(engine, KeepsCacheOnUpdate) else None
     previous = keeper.keep_cache_on_update if keeper is not None else False
     if keeper is not None:

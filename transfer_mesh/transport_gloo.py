@@ -255,6 +255,8 @@ class GlooTransport(TransportBase):
         t0 = time.perf_counter()
         plan = self.plan_for(named)
         plain = self.protocol() == "sglang"
+        if not plain and not all(e.speaks_transfer_mesh() for e in self.engines):
+            raise VersionRefused("a plain SGLang server would skip TransferMesh buckets: use protocol sglang or auto")
         if plain:  # unknown names are refused before the group is even joined
             for e in self.engines:
                 e.prepare_update(list(plan.to_wire()["names"]), self.cfg.pause_mode)

@@ -36,5 +36,6 @@ def make_engine(cfg: EngineConfig, model_dir: str | Path, seed: int = 0) -> Infe
             request_timeout=cfg.request_timeout,
             max_retries=cfg.max_retries,
             health_interval=cfg.health_interval,
+            model_dir=model_dir,
         )
     raise ValueError(f"unknown engine.type {cfg.type!r}")

@@ -52,6 +52,8 @@ def checkpoint_names(model_dir: str | Path) -> set[str] | None:
 class SGLangWeightUpdates:
     """The weight-update half of the SGLang client (mixed into ``SGLangEngine``, which provides the plumbing)."""
 
+    choreographs_updates = True
+    """Its ``update_weights`` pauses, flushes (checked) and resumes by itself (see ``choreograph``)."""
     servers: list[Any]
     model_dir: str | None
     flush_timeout_s: float

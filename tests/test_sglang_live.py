@@ -1,0 +1,232 @@
+"""The SGLang client and transports against a live SGLang 0.5.23 server (CPU, tiny model; tests/sglang_live.py).
+
+Reference log-probs come from the embedded engine on the same weights (it matches the trainer to ~1e-6). Weight
+updates are checked by what the server then computes: a probe's log-probs equal the new weights' within 1e-4 and
+differ from the old ones', also for a prompt whose KV the radix cache held before the update (no stale KV).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from agentflow.engine.embedded import EmbeddedEngine
+from agentflow.engine.sglang_client import SGLangEngine
+from agentflow.types import SamplingParams
+from transfer_mesh.transport import VersionRefused, make_transport
+
+pytestmark = [pytest.mark.sglang, pytest.mark.timeout(600)]
+PROBE = [5, 17, 33, 101, 7, 250, 12, 64, 9, 300, 41, 8]
+VERSIONS = itertools.count(101)  # labels this module gives the server, never reused
+TOL = 1e-4
+
+
+def base_weights(model_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def shifted(weights: dict[str, torch.Tensor], seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+
+
+def reference(model_dir, weights: dict[str, torch.Tensor] | None = None) -> EmbeddedEngine:
+    engine = EmbeddedEngine(model_dir, max_slots=1, max_len=256, prefix_cache=False)
+    if weights is not None:
+        engine.update_weights(1, weights)
+    return engine
+
+
+def probe(engine, ids=PROBE) -> torch.Tensor:
+    return torch.tensor(engine.score(list(ids), 1).logprobs)
+
+
+@pytest.fixture(scope="module")
+def live(sglang_server):
+    """A client on the live server, which first gets the base weights back (another module may have trained)."""
+    client = SGLangEngine([sglang_server.url], model_dir=sglang_server.model_dir)
+    client.update_weights(next(VERSIONS), base_weights(sglang_server.model_dir))
+    ref = reference(sglang_server.model_dir)
+    yield client, sglang_server, ref
+    ref.close()
+    client.close()
+
+
+# ----------------------------------------------------------------------------------------------- generation
+
+
+def test_generate_logprobs_and_stop_ids(live) -> None:
+    client, _, ref = live
+    prompt = [5, 6, 7, 8, 9, 10]
+    res = client.generate_sync(prompt, SamplingParams(temperature=1.0, max_new_tokens=16), rid="gen:0")
+    assert res.finish_reason == "length" and len(res.output_ids) == len(res.logprobs) == 16  # no stop ids: length
+    expected = ref.score(prompt + res.output_ids, len(prompt)).logprobs
+    torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(expected), atol=TOL, rtol=0)
+    stop = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=tuple(range(1024)))
+    res = client.generate_sync(prompt, stop, rid="gen:1")  # every id stops: the first token ends it
+    assert res.finish_reason == "stop" and len(res.output_ids) == 1
+    greedy = client.generate_sync(prompt, SamplingParams(temperature=0.0, max_new_tokens=8), rid="gen:2")
+    cut = greedy.output_ids[2]
+    res = client.generate_sync(prompt, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(cut,)))
+    assert res.finish_reason == "stop" and res.output_ids == greedy.output_ids[: greedy.output_ids.index(cut) + 1]
+
+
+def test_seed_refused_when_the_server_ignores_it(live) -> None:
+    client, _, _ = live
+    with pytest.raises(ValueError, match="enable-deterministic-inference"):
+        client.generate_sync([5, 6, 7], SamplingParams(max_new_tokens=2, seed=3))
+
+
+def test_score_exact_positions(live) -> None:
+    client, _, ref = live
+    for start in (1, 2, 5, len(PROBE) - 1):
+        got = client.score(PROBE, start, top_k=3)
+        want = ref.score(PROBE, start, top_k=3)
+        assert len(got.logprobs) == len(PROBE) - start
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=TOL, rtol=0)
+        assert [row[0][0] for row in got.top_logprobs] == [row[0][0] for row in want.top_logprobs]
+    assert client.score(PROBE, len(PROBE)).logprobs == []
+
+
+def test_multi_turn_resume_hits_the_cache(live) -> None:
+    client, _, ref = live
+    sp = SamplingParams(temperature=1.0, max_new_tokens=8)
+    ctx = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    first = client.generate_sync(ctx, sp, rid="mt:0")
+    ctx = ctx + first.output_ids + [3, 4, 5]  # the env's reply, then the next turn
+    second = client.generate_sync(ctx, sp, rid="mt:1")
+    assert second.cached_tokens >= 10
+    expected = ref.score(ctx + second.output_ids, len(ctx)).logprobs
+    torch.testing.assert_close(torch.tensor(second.logprobs), torch.tensor(expected), atol=TOL, rtol=0)
+
+
+async def _wait_decoding(seconds: float = 0.5) -> None:
+    await asyncio.sleep(seconds)  # the tiny model decodes a few hundred tokens a second
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_pause_and_continue(live, mode) -> None:
+    client, _, _ = live
+    n = 1800
+
+    async def main():
+        tasks = [
+            asyncio.ensure_future(client.generate([5, 6, 7, i], SamplingParams(max_new_tokens=n))) for i in range(2)
+        ]
+        await _wait_decoding()
+        await asyncio.to_thread(client.pause, mode)
+        await asyncio.sleep(0.5)
+        still = [not t.done() for t in tasks]
+        await asyncio.to_thread(client.resume)
+        return still, await asyncio.gather(*tasks)
+
+    still, results = asyncio.run(main())
+    for r in results:
+        assert len(r.output_ids) == len(r.logprobs) == len(r.versions)
+        if mode == "abort":
+            assert r.finish_reason == "abort" and 0 < len(r.output_ids) < n
+        else:
+            assert all(still) and r.finish_reason == "length" and len(r.output_ids) == n
+
+
+def test_abort_and_flush(live) -> None:
+    client, _, _ = live
+
+    async def main():
+        task = asyncio.ensure_future(client.generate([5, 6, 7], SamplingParams(max_new_tokens=1800), rid="ab:0"))
+        await _wait_decoding()
+        await asyncio.to_thread(client.abort, "ab:0")
+        return await task
+
+    res = asyncio.run(main())
+    assert res.finish_reason == "abort" and 0 < len(res.output_ids) < 1800
+    assert client.flush_cache()
+
+
+def test_teacher_scoring_by_url(live) -> None:
+    """A teacher given by ``url`` scores through the live server: one log-prob per token, exactly positioned."""
+    from agentflow.config import load_config
+    from agentflow.teacher_scoring import make_scorer_factory
+    from teachers.types import TeacherSpec
+
+    client, server, ref = live
+    factory = make_scorer_factory(load_config(None, []))
+    scorer = factory(TeacherSpec("t", url=server.url, tokenizer=str(server.model_dir)))
+    try:
+        out = scorer.score(PROBE, 1, 2)
+    finally:
+        scorer.close()
+    assert len(out.logprobs) == len(PROBE) - 1
+    torch.testing.assert_close(torch.tensor(out.logprobs), probe(ref), atol=TOL, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------- weight updates
+
+
+def _update_and_check(client, server, transport_cfg: dict, during_decode: bool, seed: int) -> None:
+    """Send shifted weights through the transport (idle, or while requests decode), then check the server."""
+    old = probe(client)
+    client.score(PROBE, 1)  # the probe's KV now sits in the radix cache, computed by the old weights
+    new = shifted(base_weights(server.model_dir), seed)
+    version = next(VERSIONS)
+    transport = make_transport(transport_cfg, [client])
+
+    async def main():
+        sp = SamplingParams(temperature=1.0, max_new_tokens=1200)
+        tasks = [asyncio.ensure_future(client.generate([9, 8, 7, i], sp)) for i in range(3)] if during_decode else []
+        if tasks:
+            await _wait_decoding()
+        await asyncio.to_thread(transport.send, version, new)
+        return await asyncio.gather(*tasks)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        transport.close()
+    for r in results:  # nothing lost: each request finished, its tokens stamped old then new
+        assert r.finish_reason == "length" and len(r.output_ids) == 1200
+        assert r.versions == sorted(r.versions) and r.versions[-1] == version
+    with reference(server.model_dir, new) as ref_new:
+        after = probe(client)
+        torch.testing.assert_close(after, probe(ref_new), atol=TOL, rtol=0)  # the cached prefix was recomputed
+    assert (after - old).abs().max() > 1e-2
+    assert client.weight_version == version and client.sync_version() == version
+
+
+@pytest.mark.parametrize("during_decode", [False, True], ids=["idle", "mid_decode"])
+@pytest.mark.parametrize("kind", ["http", "gloo"])
+def test_weight_update(live, kind, during_decode) -> None:
+    client, server, _ = live
+    cfg = {"type": kind}
+    transport = make_transport(cfg, [client])
+    assert transport.protocol() == "sglang"  # auto: the plain server gets plain tensors
+    transport.close()
+    _update_and_check(client, server, cfg, during_decode, seed=len(kind) + 10 * during_decode)
+
+
+def test_updates_the_server_would_skip_are_refused(live) -> None:
+    """Unknown names, or TransferMesh buckets, would be answered 200 and skipped: they are refused before sending,
+    and the server keeps its weights and its label."""
+    client, server, _ = live
+    before, label = probe(client), client.sync_version()
+    weights = base_weights(server.model_dir)
+    renamed = {k.replace("model.", "decoder."): v for k, v in weights.items()}
+    for kind in ("http", "gloo"):
+        transport = make_transport({"type": kind}, [client])
+        try:
+            with pytest.raises(VersionRefused, match="not in the served model"):
+                transport.send(next(VERSIONS), renamed)
+        finally:
+            transport.close()
+        transport = make_transport({"type": kind, "protocol": "transfer_mesh"}, [client])
+        try:
+            with pytest.raises(VersionRefused, match="plain SGLang server"):
+                transport.send(next(VERSIONS), shifted(weights, 7))
+        finally:
+            transport.close()
+    assert client.sync_version() == label
+    torch.testing.assert_close(probe(client), before, atol=0, rtol=0)
