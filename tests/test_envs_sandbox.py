@@ -121,12 +121,14 @@ def test_nothing_left_after_close():
     require(bwrap_works(), "bubblewrap (bwrap)")
     sandbox = BwrapSandbox()
     host_dir = sandbox.host_workdir
-    cgroup = sandbox._cgroup.path if sandbox._cgroup is not None else None
-    sandbox.exec("echo x > f")
+    cgroups = [d.path for d in sandbox._cgroup.dirs.values()] if sandbox._cgroup is not None else []
+    sandbox.exec("echo x > f; echo y > /tmp/y")
     sandbox.close()
     sandbox.close()
     assert not os.path.exists(host_dir)
-    assert cgroup is None or not cgroup.exists()
+    assert not any(p.exists() for p in cgroups)
+    with open("/proc/self/mountinfo") as f:
+        assert os.path.dirname(host_dir) not in f.read(), "the sandbox's tmpfs mounts are gone"
     with pytest.raises(SandboxError, match="closed"):
         sandbox.exec("true")
 

@@ -11,12 +11,16 @@ from envs.errors import SandboxError
 
 @dataclass(frozen=True)
 class Limits:
-    """Resource limits applied to every process of one ``exec``.
+    """Resource limits of a sandbox and of every process of one ``exec``.
 
-    ``memory_mb`` is the address-space limit (RLIMIT_AS) per process, ``cpu_s`` the CPU-time limit (RLIMIT_CPU),
-    ``file_size_mb`` the largest file a process may write (RLIMIT_FSIZE), ``max_procs`` the number of processes and
-    threads of the whole sandbox (a pids cgroup, where the machine allows it). ``output_kb`` caps how much of
-    stdout and of stderr is kept (the rest is read and dropped so the command never blocks on a full pipe).
+    Per process: ``memory_mb`` is the address-space limit (RLIMIT_AS), ``cpu_s`` the CPU-time limit (RLIMIT_CPU),
+    ``file_size_mb`` the largest file a process may write (RLIMIT_FSIZE). For the whole sandbox: ``max_procs`` caps
+    the processes and threads (a pids cgroup), ``sandbox_memory_mb`` the memory of all its processes together (a
+    memory cgroup; its files in ``/tmp`` and the workdir count too), ``tmp_mb`` the scratch space (``/tmp`` and
+    ``/dev/shm`` together) and ``workdir_mb`` the workdir (sized tmpfs mounts), each where the machine allows: the
+    sandbox's ``enforced`` says which hold. ``output_kb`` caps how much of stdout and of stderr is kept (the rest is
+    read and dropped so the command never blocks on a full pipe). The sandbox-wide caps follow the limits of the
+    latest ``exec``.
     """
 
     memory_mb: int = 512
@@ -24,11 +28,21 @@ class Limits:
     file_size_mb: int = 16
     max_procs: int = 64
     output_kb: int = 1024
+    sandbox_memory_mb: int = 1024
+    tmp_mb: int = 64
+    workdir_mb: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("memory_mb", "cpu_s", "file_size_mb", "max_procs", "output_kb"):
+        for name in LIMIT_FIELDS:
             if getattr(self, name) <= 0:
                 raise ValueError(f"Limits.{name} must be > 0, got {getattr(self, name)}")
+
+
+LIMIT_FIELDS = (
+    "memory_mb", "cpu_s", "file_size_mb", "max_procs", "output_kb", "sandbox_memory_mb", "tmp_mb", "workdir_mb",
+)  # fmt: skip
+LIMITS_HIT = ("timeout", "output", "cpu", "memory", "pids", "tmp", "workdir")
+"""What :attr:`ExecResult.limits_hit` may name: the limits an exec ran into."""
 
 
 @dataclass
@@ -36,6 +50,9 @@ class ExecResult:
     """What one command did: its output (decoded as UTF-8 with replacement), exit code and timing.
 
     ``exit_code`` is negative (``-signal``) when the process was killed by a signal, as in :mod:`subprocess`.
+    ``limits_hit`` names the limits the exec ran into (see :data:`LIMITS_HIT`): ``"timeout"``, ``"output"`` (some
+    output was dropped), ``"cpu"`` (RLIMIT_CPU), ``"memory"`` (the sandbox's memory cap killed a process),
+    ``"pids"`` (a fork was refused), ``"tmp"`` / ``"workdir"`` (that space is full).
     """
 
     stdout: str
@@ -43,6 +60,7 @@ class ExecResult:
     exit_code: int
     timed_out: bool
     duration_s: float
+    limits_hit: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:

@@ -1,24 +1,59 @@
-"""The default sandbox: bubblewrap (``bwrap``) namespaces around every command.
+"""The default sandbox: bubblewrap (``bwrap``) namespaces, no capabilities and a seccomp filter around every command.
 
-Inside: no network (an empty network namespace, so the host's loopback services are not reachable), the host
-filesystem read-only (``--ro-bind / /``), a private ``/tmp`` (tmpfs), fresh ``/proc`` and ``/dev``, and a private
-read-write workdir at ``/tmp/sandbox`` (a host temp dir bound there, deleted on close). Each command runs in its own
-pid namespace whose pid 1 is ``bwrap`` (as root the namespace comes from util-linux ``unshare --pid --fork
---mount-proc``, see :meth:`BwrapSandbox._wrap`), so killing it kills everything inside.
+What a command inside gets, whether the host runs as root or not:
+
+- **No privilege.** It runs as ``sandbox`` (uid 1000) in its own user namespace, with every capability dropped
+  (``--cap-drop ALL``, bounding set empty), ``no_new_privs``, no way to make further user namespaces, and the
+  :mod:`envs.sandbox.seccomp` filter (no mount, ``setns``/``unshare``, ``ptrace``, key-ring, ``bpf``...). As root
+  the host drops to ``nobody`` (uid 65534) before ``bwrap`` starts, so the sandbox's processes are ``nobody`` on the
+  host too; elsewhere they are the calling user.
+- **A minimal filesystem view**, read-only: ``/usr`` with the ``/bin``, ``/lib*`` and ``/sbin`` links, a few pieces
+  of ``/etc`` (the loader cache, alternatives, zone and name-service files; a generated ``passwd`` and ``group``),
+  its own ``/proc`` (of its own pid namespace; it cannot be unmounted) and a minimal ``/dev``. No ``/root``,
+  ``/home``, ``/etc/shadow``, checkout or run directory. Writable: the workdir ``/tmp/sandbox`` (a host directory,
+  deleted on close), and ``/tmp`` and ``/dev/shm`` (the sandbox's scratch space; they last until reset or close).
+- **No network** (an empty network namespace: the host's loopback services and DNS are unreachable), its own pid,
+  IPC, UTS and cgroup namespaces.
+- **Caps** (:class:`~envs.sandbox.base.Limits`): the workdir and the scratch space are tmpfs mounts of
+  ``workdir_mb`` and ``tmp_mb`` (as root; see ``enforced``), a memory cgroup caps all its processes together and a
+  pids cgroup their number (where the machine allows), and every process has the address-space, CPU-time and
+  file-size rlimits.
+
+As root each command runs in a pid namespace made by util-linux ``unshare --pid --fork --kill-child --mount-proc``
+(bwrap's own leaves one zombie per exec where pid 1 never reaps), whose ``/proc`` bwrap binds; killing it kills
+everything inside. Where the kernel refuses user namespaces to ``nobody``, bwrap runs as root and makes the user
+namespace itself (the sandbox's uid then maps to host root, still without any capability): see
+:func:`unprivileged_userns`.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import os
 import shutil
+import subprocess
 
 from envs.errors import SandboxError
+from envs.sandbox import mounts, seccomp
 from envs.sandbox.base import Limits
 from envs.sandbox.local import LocalSandbox
 
-SANDBOX_WORKDIR = "/tmp/sandbox"  # under the private /tmp: the read-only host root cannot get a new top-level dir
+SANDBOX_WORKDIR = "/tmp/sandbox"  # under the scratch /tmp: the read-only root cannot get a new top-level dir
+SANDBOX_UID = 1000  # the uid (and gid) commands run as inside
+HOST_UID = 65534  # as root, the host uid the sandbox's processes run as (nobody)
 INSTALL_HINT = "install it with `apt-get install bubblewrap`, or use make_sandbox('process') (no network isolation)"
+ETC_ENTRIES = (
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "timezone", "nsswitch.conf",
+    "host.conf", "hosts", "gai.conf", "protocols", "services", "mime.types", "magic", "magic.mime",
+    "debian_version", "os-release", "inputrc", "profile", "bash.bashrc", "terminfo",
+)  # fmt: skip
+_PASSWD = (
+    "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+    f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{SANDBOX_WORKDIR}:/bin/sh\n"
+    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+)
+_GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
 
 
 def bwrap_path() -> str | None:
@@ -28,7 +63,7 @@ def bwrap_path() -> str | None:
 
 @functools.cache
 def bwrap_works() -> bool:
-    """True when bubblewrap is installed and can create namespaces here (checked once per process)."""
+    """True when bubblewrap and the seccomp filter work here and bwrap can create namespaces (checked once)."""
     if bwrap_path() is None:
         return False
     try:
@@ -38,11 +73,49 @@ def bwrap_works() -> bool:
         return False
 
 
-class BwrapSandbox(LocalSandbox):
-    """A bubblewrap sandbox: network off, read-only host, private ``/tmp`` and ``/tmp/sandbox`` workdir, limits.
+@functools.cache
+def unprivileged_userns() -> bool:
+    """True when ``nobody`` may create a user namespace here (root then runs bwrap as ``nobody``); checked once."""
+    exe, setpriv = bwrap_path(), shutil.which("setpriv")
+    if exe is None or setpriv is None:
+        return False
+    drop = [setpriv, f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups", "--"]
+    probe = [exe, "--unshare-user", "--ro-bind", "/usr", "/usr", "--", "/usr/bin/true"]
+    try:
+        return subprocess.run(drop + probe, capture_output=True, timeout=10, cwd="/").returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
-    ``pids_limit_enforced`` says whether a pids cgroup caps the number of processes (fork bombs); where the
-    machine forbids cgroups the other limits still hold.
+
+@functools.cache
+def _root_links() -> tuple[str, ...]:
+    """bwrap arguments for ``/bin``, ``/sbin`` and ``/lib*``: the host's symlinks (merged ``/usr``) or binds."""
+    args: list[str] = []
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = f"/{name}"
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    return tuple(args)
+
+
+@functools.cache
+def _etc_binds() -> tuple[str, ...]:
+    """bwrap arguments binding the few ``/etc`` entries commands need (the Python ones included)."""
+    args: list[str] = []
+    names = [*ETC_ENTRIES, *sorted(os.path.basename(p) for p in glob.glob("/etc/python3*"))]
+    for name in names:
+        if os.path.lexists(f"/etc/{name}"):
+            args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    return tuple(args)
+
+
+class BwrapSandbox(LocalSandbox):
+    """A bubblewrap sandbox: no privilege, seccomp, minimal read-only view, no network, sized scratch (module doc).
+
+    ``enforced`` says which sandbox-wide caps hold here (``pids``, ``memory``, ``tmp``, ``workdir``); where the
+    machine forbids cgroups or mounts the per-process limits still hold.
     """
 
     kind = "bwrap"
@@ -58,39 +131,123 @@ class BwrapSandbox(LocalSandbox):
         if exe is None:
             raise SandboxError(f"bubblewrap (bwrap) is not installed; {INSTALL_HINT}")
         self._bwrap = exe
-        unshare = shutil.which("unshare")
-        self._unshare = unshare or "unshare"
-        self._use_unshare = unshare is not None and os.geteuid() == 0
+        seccomp.bpf_program()  # raises SandboxError (with the install hint) where libseccomp is missing
+        self._as_root = os.geteuid() == 0
+        self._drop: list[str] = []
+        self._unshare = ""
+        if self._as_root:
+            self._unshare, self._drop = self._root_tools()
         self._extra_args = list(extra_args or [])
         super().__init__(limits=limits, env=env, use_cgroup=use_cgroup)
+
+    @staticmethod
+    def _root_tools() -> tuple[str, list[str]]:
+        unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
+        if unshare is None or setpriv is None:
+            raise SandboxError("the bwrap sandbox as root needs util-linux's unshare and setpriv")
+        if not unprivileged_userns():
+            return unshare, []
+        drop = [setpriv, f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups"]
+        return unshare, [*drop, "--inh-caps=-all", "--bounding-set=-all", "--"]
 
     @property
     def workdir(self) -> str:
         """``/tmp/sandbox``: the workdir as commands inside see it."""
         return SANDBOX_WORKDIR
 
-    def _popen_cwd(self) -> str | None:
-        return None
+    @property
+    def _host_uid(self) -> int | None:
+        """The host uid of the sandbox's processes when the host must hand files over to it (root dropping)."""
+        return HOST_UID if self._drop else None
 
-    def _wrap(self, argv: list[str]) -> list[str]:
-        common = [
+    def _owned_by(self) -> int | None:
+        return self._host_uid
+
+    def _popen_cwd(self) -> str | None:
+        return "/"
+
+    # -- host side ---------------------------------------------------------------------------------------------
+    def _prepare_host(self) -> None:
+        root, uid = self._root, self._host_uid
+        self._work, self._scratch, self._etc = (os.path.join(root, n) for n in ("work", "scratch", "etc"))
+        for path in (self._work, self._scratch, self._etc):
+            os.mkdir(path, 0o700 if path != self._etc else 0o755)
+        for name, text in (("passwd", _PASSWD), ("group", _GROUP)):
+            with open(os.path.join(self._etc, name), "w") as f:
+                f.write(text)
+            os.chmod(os.path.join(self._etc, name), 0o644)
+        lim = self.limits
+        for key, path, size in (("workdir", self._work, lim.workdir_mb), ("tmp", self._scratch, lim.tmp_mb)):
+            if mounts.mount_tmpfs(path, size, uid=uid if uid is not None else os.geteuid()):
+                self._mounted.append(path)
+                self.enforced[key] = True
+        self._tmp, self._shm = os.path.join(self._scratch, "tmp"), os.path.join(self._scratch, "shm")
+        for path in (self._tmp, self._shm):
+            os.mkdir(path)
+            os.chmod(path, 0o1777)
+        if uid is not None:
+            for path in (root, self._work, self._scratch, self._tmp, self._shm):
+                os.chown(path, uid, uid)
+        self.host_workdir = self._work
+
+    def _scratch_dirs(self) -> list[str]:
+        return [self._tmp, self._shm]
+
+    def _sized_paths(self) -> dict[str, str]:
+        return {"tmp": self._scratch, "workdir": self._work}
+
+    def _resize(self, old: Limits, lim: Limits) -> None:
+        if self.enforced["tmp"] and lim.tmp_mb != old.tmp_mb:
+            mounts.resize_tmpfs(self._scratch, lim.tmp_mb)
+        if self.enforced["workdir"] and lim.workdir_mb != old.workdir_mb:
+            mounts.resize_tmpfs(self._work, lim.workdir_mb)
+
+    # -- the command line --------------------------------------------------------------------------------------
+    def _exec_fds(self) -> list[int]:
+        return [seccomp.program_fd()]
+
+    def _outer(self) -> list[str]:
+        if self._as_root:
+            return [self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--"]
+        return []
+
+    def _view(self) -> list[str]:
+        """The filesystem the command sees (bwrap arguments, applied in order)."""
+        proc = ["--ro-bind", "/proc", "/proc"] if self._as_root else ["--proc", "/proc"]
+        return [
+            "--ro-bind", "/usr", "/usr",
+            *_root_links(),
+            *_etc_binds(),
+            "--ro-bind", os.path.join(self._etc, "passwd"), "/etc/passwd",
+            "--ro-bind", os.path.join(self._etc, "group"), "/etc/group",
+            *proc,
+            "--dev", "/dev",
+            "--bind", self._tmp, "/tmp",
+            "--bind", self._shm, "/dev/shm",
+            "--bind", self._work, SANDBOX_WORKDIR,
+            "--remount-ro", "/dev",
+            "--remount-ro", "/",
+        ]  # fmt: skip
+
+    def _wrap(self, argv: list[str], fds: list[int]) -> list[str]:
+        # As root the pid namespace comes from `unshare` (see the module doc); otherwise bwrap makes it.
+        ns = ["--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+        if not self._as_root:
+            ns.append("--unshare-pid")
+        user = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--disable-userns"]
+        return [
+            *self._drop,
+            self._bwrap,
+            *user,
+            *ns,
+            "--cap-drop", "ALL",
             "--die-with-parent",
             "--new-session",
-            "--ro-bind", "/", "/",
-            "--tmpfs", "/tmp",
-            "--proc", "/proc",
-            "--dev", "/dev",
-            "--bind", self.host_workdir, SANDBOX_WORKDIR,
+            "--seccomp", str(fds[0]),
+            *self._view(),
             "--chdir", SANDBOX_WORKDIR,
             "--hostname", "sandbox",
             *self._extra_args,
             "--",
             *argv,
         ]  # fmt: skip
-        if self._use_unshare:
-            # bwrap's own pid namespace leaves its pid-1 helper as an orphan zombie that a container's pid 1 may
-            # never reap (each one holds a pid of the sandbox's pids cgroup). So `unshare` makes the pid namespace
-            # (and waits for bwrap, its child) and mounts a fresh /proc there, which bwrap then binds.
-            ns = ["--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-            return [self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--", self._bwrap, *ns, *common]
-        return [self._bwrap, "--unshare-all", *common]
