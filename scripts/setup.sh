@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 DEV=0
 [[ "${1:-}" == "--dev" ]] && DEV=1
 
-APT_PACKAGES=(bubblewrap)
+# bubblewrap: the default sandbox; libseccomp2: the library its seccomp filter is compiled with (pyseccomp binds it).
+APT_PACKAGES=(bubblewrap libseccomp2)
 # --dev: the docker sandbox's tests start a private engine (dockerd, containerd, runc) from Debian's docker.io.
 ((DEV)) && APT_PACKAGES+=(docker.io)
 # --dev: browser and desktop env tests drive the system Chromium (Playwright; its headless shell when installed)
@@ -41,4 +42,6 @@ extras=""
 # torch is pinned in the same command as everything that depends on it: an unpinned torch pulls CUDA wheels.
 .venv/bin/python -m pip install -q "torch==2.13.0" -e ".${extras}" 2>&1 | grep -v -E "^WARNING: Location|ignored: it is neither" || true
 .venv/bin/python -c "import torch, megatron.core, agentflow" || { echo "setup: install failed" >&2; exit 1; }
+# --dev: the `sglang` tests run a real SGLang server on CPU from a venv of its own (built once, then only checked).
+((DEV)) && scripts/sglang_test_venv.sh
 echo "setup: ready (.venv)"

@@ -203,3 +203,17 @@ def test_length_aware_removes_the_bias_within_the_bound_and_waits_less_than_fifo
     assert m["max_staleness_seen"] <= 1
     _, fifo_end = _run("fifo")
     assert end < fifo_end  # short groups still jump ahead where there is slack
+
+
+def test_tokens_newer_than_the_trainer_are_refused():
+    """Negative staleness (an engine serving weights the job never sent) is refused when the batch is taken."""
+    from agentflow.store import FutureVersionError
+
+    async def go():
+        store = TrajectoryStore(batch_groups=1, stale_steps=1)
+        await store.acquire_slot("a")
+        await store.accept(_group("a", 2))
+        with pytest.raises(FutureVersionError, match="version 2, but the trainer is at version 0"):
+            await store.get_batch()
+
+    asyncio.run(go())
