@@ -9,6 +9,7 @@ is aborted and reported). A browser that dies mid-episode raises :class:`~envs.e
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -87,6 +88,8 @@ class BrowserEnv(ScreenEnv):
         self._frames: set[int] = set()
         self._checks: dict[str, bool] = {}
         self._closed = False
+        self._apps_loop: Any = None
+        """The loop the web apps serve on (the pool's, unless it was replaced since)."""
 
     @property
     def backend(self) -> Any:
@@ -97,8 +100,10 @@ class BrowserEnv(ScreenEnv):
     async def areset_task(self, seed: int, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Draw the task, reset the app's state, lease a clean context and open the start page."""
         info = self.draw_task(seed, options, make_task)
-        if not self.apps.port:
+        if self._apps_loop is not self.pool.loop:  # first episode, or the pool's loop was replaced
+            self.apps = WebApps()
             await self.apps.start()
+            self._apps_loop = self.pool.loop
         self.apps.reset(self.task.catalog, list(self.task.todos))
         await self._release()
         self._lease = await self.pool.acquire(self.apps.origin)
@@ -237,21 +242,44 @@ class BrowserEnv(ScreenEnv):
         if lease is not None:
             await self.pool.release(lease)
 
+    def recover_backend(self) -> None:
+        """The pool's loop stopped answering: drop this episode's context; if the loop still does not answer,
+        restart the pool (a new loop and browser; the next reset starts the web apps again on it)."""
+        lease, self._lease, self._page = self._lease, None, None
+        try:
+            if lease is not None:
+                self.pool.loop.run(_close_context(lease), 5)
+            else:
+                self.pool.loop.run(asyncio.sleep(0), 5)
+        except Exception:  # noqa: BLE001 - still blocked (or closed): a new loop
+            self.pool.restart()
+
     def close(self) -> None:
-        """Give the context back, stop the web apps, let go of the pool. Safe to call twice."""
+        """Give the context back, stop the web apps, let go of the pool. Safe to call twice, and after a backend
+        that stopped answering."""
         if self._closed:
             return
         self._closed = True
-        if self.pool.loop.alive:
+        if self.pool.loop.alive and self._apps_loop is self.pool.loop:
 
             async def _shutdown() -> None:
                 await self._release()
                 await self.apps.stop()
 
-            self.pool.loop.run(_shutdown(), 30)
+            try:
+                self.pool.loop.run(_shutdown(), 5 if self._wedged else 30)
+            except Exception:  # noqa: BLE001 - a loop that does not answer: the pool kills its browser
+                self.pool.restart()
         if self._shared_pool:
             BrowserPool.unshare(self.pool)
         super().close()
+
+
+async def _close_context(lease: Lease) -> None:
+    try:
+        await lease.context.close()
+    except Exception:  # noqa: BLE001 - a context of a dead browser
+        pass
 
 
 def _first_line(e: BaseException | None) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import os
+import signal
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -260,13 +261,36 @@ class BrowserPool:
                 pass
             self._pw = None
 
-    def close(self) -> None:
-        """Close the browser and the Playwright driver, then stop the loop. Safe to call twice."""
-        if self.loop.alive:
+    def close(self, timeout: float = 30.0) -> None:
+        """Close the browser and the Playwright driver, then stop the loop. Safe to call twice; a loop that does
+        not answer within ``timeout`` has its browser killed instead."""
+        if not self.loop.alive:
+            return
+        try:
+            self.loop.run(self._aclose(), timeout)
+        except Exception:  # noqa: BLE001 - a blocked loop or a dead driver: kill what is left
+            self._kill_browser()
+        finally:
+            self.loop.stop(timeout=min(timeout, 10.0))
+
+    def restart(self) -> None:
+        """Replace a loop that stopped answering: kill the browser (a call blocked on it returns), close what
+        answers, and start a new loop with no browser (the next :meth:`acquire` launches one). Leases of the old
+        browser are dead: their envs see it at their next action, and their web apps start again on the new loop."""
+        self._kill_browser()
+        self.close(timeout=5.0)
+        self.loop = LoopThread("agentflow-browser")
+        self._pw = self._browser = self._lock = None
+        self._idle = []
+        self.generation += 1
+
+    def _kill_browser(self) -> None:
+        if self.browser_pid is not None:
             try:
-                self.loop.run(self._aclose(), 30)
-            finally:
-                self.loop.stop()
+                os.kill(self.browser_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.browser_pid = None
 
 
 async def _close_quietly(obj: Any) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
+import signal
 import sys
 import tempfile
 from typing import Any
@@ -24,6 +26,8 @@ from envs.screen import LoopThread, ScreenEnv
 from envs.tasks import DEFAULT_TASK_SET, lookup_task_set, simple_task_set
 
 APP_START_TIMEOUT_S = 20.0
+TYPE_CHUNK = 32
+"""Characters typed between two yields to the backend loop."""
 SYSTEM_PROMPT = (
     "You operate a desktop app on a 640x480 screen to complete a task. Each observation lists the app's widgets "
     "with their screen centres; click at coordinates, type text into the focused widget, or press key "
@@ -89,10 +93,11 @@ class DesktopEnv(ScreenEnv):
         self._input: XInput | None = None
         self._grabber: Any = None
         self._app: asyncio.subprocess.Process | None = None
-        self._tmp = tempfile.TemporaryDirectory(prefix="agentflow-desktop-")
+        self._tmp = tempfile.mkdtemp(prefix="agentflow-desktop-")  # removed by close (at exit too: envs.screen)
         self._sock = ""
         self._checks: dict[str, bool] = {}
         self._episodes = 0
+        self._closed = False
 
     @property
     def backend(self) -> LoopThread:
@@ -118,7 +123,7 @@ class DesktopEnv(ScreenEnv):
                 count = 2 if arguments.get("double") else 1
                 self._input.click(arguments["x"], arguments["y"], arguments.get("button", "left"), count)
             elif name == "type_text":
-                self._input.type_text(arguments["text"])
+                await self._type(arguments["text"])
             else:
                 self._input.key(arguments["combo"])
         except ActionError:
@@ -127,6 +132,15 @@ class DesktopEnv(ScreenEnv):
             self._raise_if_crashed(e)
             raise EnvError(f"{name} failed: {e}") from e
         return await self._observe()
+
+    async def _type(self, text: str) -> None:
+        """Type in chunks, yielding to the loop between them: a long text can be stopped (``action_timeout_s``)
+        and never blocks the loop that resets, scores and closes the env."""
+        assert self._input is not None
+        strokes = self._input.strokes(text)
+        for i in range(0, len(strokes), TYPE_CHUNK):
+            self._input.type_strokes(strokes[i : i + TYPE_CHUNK])
+            await asyncio.sleep(0)
 
     async def ascore(self, text: str) -> tuple[float, bool]:
         """1.0 when the app's state meets every goal condition."""
@@ -168,7 +182,7 @@ class DesktopEnv(ScreenEnv):
 
     async def _start_app(self, task: DesktopTask) -> None:
         self._episodes += 1
-        self._sock = os.path.join(self._tmp.name, f"app{self._episodes}.sock")
+        self._sock = os.path.join(self._tmp, f"app{self._episodes}.sock")
         env = {**os.environ, "DISPLAY": self.xvfb.display}
         argv = [sys.executable, "-m", "envs.desktop.apps", task.app, self._sock, json.dumps(task.init)]
         self._app = await asyncio.create_subprocess_exec(
@@ -192,7 +206,10 @@ class DesktopEnv(ScreenEnv):
         app, self._app = self._app, None
         if app is None or app.returncode is not None:
             return
-        app.terminate()
+        try:
+            app.terminate()
+        except ProcessLookupError:  # killed already (recover_backend); wait() reaps it
+            pass
         try:
             await asyncio.wait_for(app.wait(), 5)
         except TimeoutError:
@@ -242,12 +259,45 @@ class DesktopEnv(ScreenEnv):
             name = self.task.app if self.task else "app"
             raise EnvCrashedError(f"the {name} app exited with code {self._app.returncode}") from cause
 
-    def close(self) -> None:
-        """Stop the app, the X server and the loop. Safe to call twice."""
-        if self._loop.alive:
-            self._loop.run(self._stop_app(), 30)
-            self._loop.stop()
+    def recover_backend(self) -> None:
+        """A loop that stopped answering: kill the app and the X server (a call blocked on them returns), stop
+        the old loop, start a new one; the reset then starts a new X server and app."""
+        self._kill_processes()
+        self._stop_loop()
         self._drop_x_clients()
         self.xvfb.stop()
-        self._tmp.cleanup()
+        self._loop = LoopThread("agentflow-desktop")
+
+    def _kill_processes(self) -> None:
+        app = self._app
+        if app is not None and app.returncode is None:
+            try:
+                os.kill(app.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.xvfb.alive and self._wedged is not None:
+            self.xvfb.stop()
+
+    def _stop_loop(self) -> None:
+        """Reap the app on its loop (so its transport closes there), then stop and close the loop."""
+        if not self._loop.alive:
+            return
+        try:
+            self._loop.run(self._stop_app(), 2 if self._wedged else 10)
+        except Exception:  # noqa: BLE001 - a loop that does not answer: its processes were killed already
+            self._kill_processes()
+        self._loop.stop(timeout=5)
+
+    def close(self) -> None:
+        """Stop the app, the X server and the loop. Safe to call twice, and after a backend that stopped answering."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._wedged is not None:
+            self._kill_processes()
+        self._stop_loop()
+        self._app = None
+        self._drop_x_clients()
+        self.xvfb.stop()
+        shutil.rmtree(self._tmp, ignore_errors=True)
         super().close()

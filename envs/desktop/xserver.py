@@ -158,7 +158,15 @@ class XInput:
 
     def type_text(self, text: str) -> None:
         """Type ``text`` key by key (Shift where the keymap needs it); unmappable characters are an error."""
-        strokes = [self._stroke(c) for c in text]  # check them all before typing any
+        self.type_strokes(self.strokes(text))
+
+    def strokes(self, text: str) -> list[tuple[int, bool]]:
+        """The (keycode, shift) of each character of ``text``; an :class:`ActionError` names one it cannot type
+        (checked for all before any is typed)."""
+        return [self._stroke(c) for c in text]
+
+    def type_strokes(self, strokes: list[tuple[int, bool]]) -> None:
+        """Type ``strokes`` (from :meth:`strokes`) and wait until the server has delivered them."""
         for keycode, shift in strokes:
             self._tap(keycode, shift)
         self.d.sync()
