@@ -4,29 +4,52 @@ The positive control runs the same attack under an unconfined ``process`` sandbo
 so a test cannot pass because its attack was broken. Every sandbox is made with a token in its environment; the
 host's ``/proc/*/environ`` then counts the sandbox's processes (container processes are host processes too), and
 after ``close()`` that count must be 0. Every ``exec`` must return within a bound: the caller never hangs.
+
+The escape attempts (capabilities, mounts, ``/proc`` unmount, entering the host's namespaces, the host's process
+environments and memory, host files, loopback TCP and DNS; ``sandbox_attacks``) run as the host's user (root in
+CI) and, where the test can drop to it, as ``nobody`` (``sandbox_probe``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import json
 import os
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import dockerd
 import pytest
+import sandbox_attacks
 from conftest import require
 
 from envs.sandbox import Limits, ProcessSandbox, bwrap_works, make_sandbox
 
-TIGHT = Limits(memory_mb=256, cpu_s=5, file_size_mb=8, max_procs=32, output_kb=1024)
-LOOSE = Limits(memory_mb=4096, cpu_s=60, file_size_mb=1024, max_procs=4096, output_kb=200 * 1024)
+TIGHT = Limits(
+    memory_mb=256,
+    cpu_s=5,
+    file_size_mb=8,
+    max_procs=32,
+    output_kb=1024,
+    sandbox_memory_mb=300,
+    tmp_mb=16,
+    workdir_mb=24,
+)
+LOOSE = Limits(
+    memory_mb=4096, cpu_s=60, file_size_mb=1024, max_procs=4096, output_kb=200 * 1024, sandbox_memory_mb=8192
+)
+REPO = Path(__file__).resolve().parents[1]
+AS_ROOT = os.geteuid() == 0
 KINDS = ["process", "bwrap", pytest.param("docker", marks=pytest.mark.docker)]
 CONTAINED = ["bwrap", pytest.param("docker", marks=pytest.mark.docker)]
 
@@ -229,3 +252,177 @@ def test_setsid_grandchild(box, kind):
     r = b.run("setsid sleep 1000 & sleep 1000", timeout=1.0, bound=4)
     assert r.timed_out
     assert (_wait_none(b.token, 2) == []) if b.contained else True
+
+
+# -- escape attempts ------------------------------------------------------------------------------------------
+class HostTargets:
+    """What the escape attempts aim at: a host process holding a secret, loopback TCP and UDP ("DNS") listeners,
+    a host directory to write into, host files and directories to read. ``evidence()`` says what reached them."""
+
+    def __init__(self, write_dir: str) -> None:
+        self.secret = uuid.uuid4().hex
+        self.helper = subprocess.Popen(["sleep", "120"], env={"AF_HOST_SECRET": self.secret})
+        self.tcp = socket.create_server(("127.0.0.1", 0))
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("127.0.0.1", 0))
+        self.write_dir = write_dir
+        self.received: list[str] = []
+        for target in (self._serve_tcp, self._serve_udp):
+            threading.Thread(target=target, daemon=True).start()
+
+    def _serve_tcp(self) -> None:
+        while True:
+            try:
+                conn, _ = self.tcp.accept()
+                conn.settimeout(2)
+                self.received.append("tcp:" + conn.recv(100).decode(errors="replace"))
+                conn.close()
+            except OSError:
+                return
+
+    def _serve_udp(self) -> None:
+        while True:
+            try:
+                _, peer = self.udp.recvfrom(512)
+                self.received.append("udp")
+                self.udp.sendto(b"answer", peer)
+            except OSError:
+                return
+
+    def args(self, **over: Any) -> dict[str, Any]:
+        files = ["/etc/shadow", str(REPO / "pyproject.toml"), str(Path(__file__).resolve())]
+        base = dict(secret=self.secret, helper_pid=self.helper.pid, files=files, dirs=["/root", str(REPO)])
+        base.update(write_dir=self.write_dir, tcp_port=self.tcp.getsockname()[1], udp_port=self.udp.getsockname()[1])
+        return {**base, **over}
+
+    def evidence(self) -> list[str]:
+        return [*self.received, *os.listdir(self.write_dir)]
+
+    def close(self) -> None:
+        self.helper.kill()
+        self.helper.wait()
+        for s in (self.tcp, self.udp):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+@pytest.fixture
+def targets() -> Iterator[HostTargets]:
+    write_dir = tempfile.mkdtemp(prefix="af-sec-", dir="/var/tmp")
+    os.chmod(write_dir, 0o777)
+    t = HostTargets(write_dir)
+    yield t
+    t.close()
+    shutil.rmtree(write_dir, ignore_errors=True)
+
+
+def _attempts(b: Box, args: dict[str, Any]) -> dict[str, Any]:
+    argv = ["python3", "-I", "-c", sandbox_attacks.PROGRAM, json.dumps(args)]
+    if not b.contained and AS_ROOT:  # the control's mount attempts must not touch the host's mounts
+        argv = ["unshare", "--mount", "--propagation", "private", *argv]
+    r = b.run(argv, timeout=30, bound=40)
+    assert r.exit_code == 0 and r.stdout.strip(), r
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_escape_attempts(box, kind, targets):
+    """Capabilities, mounts, namespaces, host processes, files and loopback: all fail inside, all work outside."""
+    b = box(kind)
+    got = _attempts(b, targets.args())
+    assert set(got) == set(sandbox_attacks.ATTEMPTS), got
+    succeeded = {name for name, v in got.items() if v["ok"]}
+    time.sleep(0.1)
+    if b.contained:
+        assert succeeded == set(), {n: got[n] for n in succeeded}
+        assert targets.evidence() == [], "an attempt reached the host"
+    else:
+        expected = set(sandbox_attacks.ROOT_CAN if AS_ROOT else sandbox_attacks.USER_CAN)
+        assert expected <= succeeded, {n: got[n] for n in expected - succeeded}
+        assert "pwned" in targets.evidence() and "udp" in targets.evidence()
+
+
+def _probe_tree() -> str:
+    """A copy of the sandbox package, pyseccomp and the probe that ``nobody`` can read and import."""
+    root = tempfile.mkdtemp(prefix="af-probe-")
+    (Path(root) / "envs").mkdir()
+    (Path(root) / "envs" / "__init__.py").write_text("")
+    shutil.copy(REPO / "envs" / "errors.py", Path(root) / "envs")
+    shutil.copytree(REPO / "envs" / "sandbox", Path(root) / "envs" / "sandbox", ignore=shutil.ignore_patterns("__py*"))
+    spec = importlib.util.find_spec("pyseccomp")
+    assert spec is not None and spec.origin is not None, "pyseccomp is a dependency of the bwrap sandbox"
+    shutil.copy(spec.origin, root)
+    for name in ("sandbox_attacks.py", "sandbox_probe.py"):
+        shutil.copy(Path(__file__).with_name(name), root)
+    subprocess.run(["chmod", "-R", "a+rX", root], check=True)
+    os.chmod(root, 0o755)
+    return root
+
+
+def test_escape_attempts_as_nobody(targets):
+    """The same attempts from an unprivileged host user (``nobody``): contained inside, the user's own reach outside."""
+    require(bwrap_works(), "bubblewrap (bwrap)")
+    setpriv, python = shutil.which("setpriv"), shutil.which("python3", path="/usr/bin:/bin")
+    if not AS_ROOT or setpriv is None or python is None:
+        pytest.skip("dropping to nobody needs root, setpriv and the system python3")
+    tree = _probe_tree()
+    try:
+        drop = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+        args = {k: v for k, v in targets.args().items() if k not in ("secret", "helper_pid")}
+        r = subprocess.run(
+            [*drop, python, "-I", f"{tree}/sandbox_probe.py", json.dumps(args)],
+            capture_output=True, text=True, timeout=120, cwd=tree, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"},
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    inside = {n for n, v in res["inside"].items() if v["ok"]}
+    outside = {n for n, v in res["outside"].items() if v["ok"]}
+    assert set(res["inside"]) == set(sandbox_attacks.ATTEMPTS), res["inside"]
+    assert inside == set(), {n: res["inside"][n] for n in inside}
+    assert set(sandbox_attacks.USER_CAN) <= outside, res["outside"]
+    assert res["left"] == 0, "a process of the unprivileged sandbox outlived close()"
+
+
+# -- resource caps --------------------------------------------------------------------------------------------
+_TOGETHER = (
+    "import os, time\nkids = []\nfor _ in range(3):\n    pid = os.fork()\n    if pid == 0:\n"
+    "        x = bytearray(130 << 20)\n        for i in range(0, len(x), 4096): x[i] = 1\n"
+    "        time.sleep(1.5)\n        os._exit(0)\n    kids.append(pid)\n"
+    "ok = sum(os.waitpid(p, 0)[1] == 0 for p in kids)\nprint('held', ok)"
+)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_memory_of_all_processes_together(box, kind):
+    """Three processes of 130 MB each, every one under its own address-space limit: the sandbox's cap (300 MB)
+    stops them together; unconfined, all three hold their memory."""
+    b = box(kind)
+    r = b.run(["python3", "-c", _TOGETHER], timeout=20, bound=30)
+    if b.contained:
+        assert r.stdout != "held 3\n", r
+        assert "memory" in r.limits_hit or kind == "docker", r
+    else:
+        assert r.stdout == "held 3\n", r
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("where", ["tmp", "workdir", "shm"])
+def test_disk_bombs(box, kind, where):
+    """48 MB written in 8 MB files into /tmp, /dev/shm (16 MB scratch cap) or the workdir (24 MB cap)."""
+    b = box(kind)
+    if not b.contained and where != "workdir":
+        pytest.skip("the control writes only into its own workdir (its /tmp is the host's)")
+    path = {"tmp": "/tmp", "shm": "/dev/shm", "workdir": "."}[where]
+    r = b.run(f"for i in 1 2 3 4 5 6; do head -c 8000000 /dev/zero > {path}/bomb$i || break; done; du -sk {path}")
+    used_kb = int(r.stdout.split()[-2])
+    if b.contained:
+        cap_mb = TIGHT.workdir_mb if where == "workdir" else TIGHT.tmp_mb
+        assert used_kb <= cap_mb * 1024 + 64, r
+        assert "No space left" in r.stderr, r
+        if kind == "bwrap":
+            assert ("workdir" if where == "workdir" else "tmp") in r.limits_hit, r
+    else:
+        assert used_kb >= 46_000, r
