@@ -261,8 +261,9 @@ class AgentEnv(gymnasium.Env[str, str]):
         raise NotImplementedError
 
     async def ascore_answer(self, text: str) -> tuple[float, bool]:
-        """Awaitable :meth:`score_answer`; by default calls it directly. Override when scoring waits (a sandbox)."""
-        return self.score_answer(text)
+        """Awaitable :meth:`score_answer`, in a worker thread by default: a verifier that hangs must not stall the
+        event loop that every other episode runs on (the caller's step timeout can then end this one)."""
+        return await asyncio.to_thread(self.score_answer, text)
 
     def answer_info(self) -> dict[str, Any]:
         """Extra keys for the final step's info after an answer (e.g. reward terms); empty by default."""
