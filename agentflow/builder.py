@@ -126,6 +126,22 @@ def refuse_unsupported(cfg: JobConfig, recipe: str, resume: bool = False) -> Non
         raise JobError("--resume: a distillation job cannot be resumed (its seq-KD phase is not checkpointed)")
     if cfg.eval.every_steps and cfg.eval.every_steps > cfg.run.steps:
         raise JobError(f"eval.every_steps={cfg.eval.every_steps} is more than run.steps={cfg.run.steps}")
+    if cfg.sft.enabled:
+        refuse_warm_up_without_expert(cfg)
+
+
+def refuse_warm_up_without_expert(cfg: JobConfig) -> None:
+    """Warm-up SFT imitates the ``env`` section's env's expert: that env must be one the job trains on (not the
+    default demo env next to a user's data sources) and must have an expert (declared, or ``sft.expert``)."""
+    sources = {s.env_id for s in cfg.data.sources}
+    if sources and cfg.env.id not in sources:
+        raise JobError(
+            f"sft.enabled=true warms up on env.id={cfg.env.id}, which is none of data.sources: set env.id to the "
+            "source to imitate, or sft.enabled=false"
+        )
+    from agentflow.recipes.warmup import require_expert
+
+    require_expert(cfg)
 
 
 def pin_threads(n: int) -> None:

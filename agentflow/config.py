@@ -143,9 +143,11 @@ class StoreConfig(Section):
 
 class SFTConfig(Section):
     enabled: bool = True
-    """Warm up with supervised fine-tuning on the scripted policy's traces before RL."""
-    expert: str = "envs.demo:expert_action"
-    """Scripted expert, ``module:function`` taking ``(env, history)`` and returning a canonical action string."""
+    """Warm up with supervised fine-tuning on the scripted expert's traces (of the ``env`` section's env) before RL;
+    a job whose env has no expert is refused unless ``sft.expert`` names one or this is false."""
+    expert: str | None = None
+    """Scripted expert, ``module:function`` taking ``(env, history)`` and returning a canonical action string;
+    unset: the expert the env declares (``envs.register(..., expert=...)``)."""
     episodes: int = Field(512, ge=1)
     """Scripted training episodes to imitate."""
     val_episodes: int = Field(64, ge=1)

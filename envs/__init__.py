@@ -1,6 +1,8 @@
 """The agent environment gym: registry, environment contracts, tools, verifiers, task sets, sandboxes, and envs.
 
-Importing ``envs`` is light: it registers the built-in ids with string entry points and imports nothing heavy.
+Importing ``envs`` is light: it registers the built-in ids (and their scripted experts) with string entry points, in
+this registry and in Gymnasium's (so ``gymnasium.make("agentflow/Calc-v0")`` works), and imports nothing heavier
+than Gymnasium.
 
 Built-in environments (each multi-turn, sandboxed, with a verifier; ``sandbox_kind="process"`` where bubblewrap
 is missing):
@@ -19,9 +21,9 @@ from envs.registry import EnvSpec, list_envs, make, register, spec
 
 __all__ = ["EnvSpec", "list_envs", "make", "register", "spec"]
 
-register("agentflow/Calc-v0", "envs.demo:CalcEnv", max_turns=3)
-register("agentflow/PyCode-v0", "envs.pycode:PyCodeEnv", max_turns=4)
-register("agentflow/Shell-v0", "envs.shell:ShellEnv", max_turns=6)
-register("agentflow/Retrieval-v0", "envs.retrieval:RetrievalEnv", max_turns=8)
-register("agentflow/Browser-v0", "envs.browser.env:BrowserEnv", max_turns=16)
-register("agentflow/Desktop-v0", "envs.desktop.env:DesktopEnv", max_turns=12)
+register("agentflow/Calc-v0", "envs.demo:CalcEnv", max_turns=3, expert="envs.demo:expert_action")
+register("agentflow/PyCode-v0", "envs.pycode:PyCodeEnv", max_turns=4, expert="envs.pycode:expert_action")
+register("agentflow/Shell-v0", "envs.shell:ShellEnv", max_turns=6, expert="envs.shell:expert_action")
+register("agentflow/Retrieval-v0", "envs.retrieval:RetrievalEnv", max_turns=8, expert="envs.retrieval:expert_action")
+register("agentflow/Browser-v0", "envs.browser.env:BrowserEnv", max_turns=16, expert="envs.browser.tasks:expert_action")
+register("agentflow/Desktop-v0", "envs.desktop.env:DesktopEnv", max_turns=12, expert="envs.desktop.tasks:expert_action")

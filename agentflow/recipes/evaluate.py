@@ -58,12 +58,16 @@ def pooled(per_source: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def scripted_success(cfg: JobConfig, seeds: list[int]) -> dict[str, Any]:
-    """The warm-up's scripted expert on the held-out seeds of the ``env`` section's env (what imitation could reach)."""
-    from agentflow.recipes.warmup import load_expert
+def scripted_success(cfg: JobConfig, seeds: list[int]) -> dict[str, Any] | None:
+    """The warm-up's scripted expert on the held-out seeds of the ``env`` section's env (what imitation could reach);
+    None when the env has no expert."""
+    from agentflow.recipes.warmup import job_expert
 
+    found = job_expert(cfg)
+    if found is None:
+        return None
+    expert = found[0]
     env = envs.make(cfg.env.id, **cfg.env.kwargs)
-    expert = load_expert(cfg.sft.expert)
     results: list[tuple[str, bool]] = []
     try:
         for s in seeds:

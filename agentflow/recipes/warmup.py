@@ -1,5 +1,8 @@
 """Warm-up SFT: imitate a scripted expert's traces, stop when validation loss stops improving, cache the result.
 
+The expert is the one the job's env declares (``envs.register(..., expert=...)``) unless ``sft.expert`` names
+another; a job with neither is refused before it starts (:func:`require_expert`).
+
 Traces are played against the real environment (real sandbox) and tokenized with the same incremental chat format
 the agent uses, so the warm-up model sees exactly the token layout it will generate in RL. The cache key is a hash
 of everything that determines the result (base model files, SFT settings, env id and kwargs, trainer seed).
@@ -8,8 +11,8 @@ of everything that determines the result (base model files, SFT settings, env id
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +35,33 @@ Log = Callable[[str], None]
 def load_expert(path: str) -> Expert:
     """A ``module:function`` taking ``(env, history)`` and returning a canonical action string."""
     return load_reference(path, "sft.expert")
+
+
+def job_expert(cfg: JobConfig) -> tuple[Expert, str] | None:
+    """The scripted expert of the job's env and its ``module:function`` name: ``sft.expert`` when set, else the one
+    the env declares; None when there is neither."""
+    if cfg.sft.expert:
+        return load_expert(cfg.sft.expert), cfg.sft.expert
+    declared = envs.spec(cfg.env.id).load_expert()
+    if declared is None:
+        return None
+    return declared, f"{declared.__module__}:{declared.__qualname__}"
+
+
+def require_expert(cfg: JobConfig) -> tuple[Expert, str]:
+    """:func:`job_expert`, or a :class:`~agentflow.builder.JobError` (one line naming the key) without one."""
+    from agentflow.builder import JobError
+
+    try:
+        found = job_expert(cfg)
+    except ValueError as e:
+        raise JobError(str(e)) from None
+    if found is None:
+        raise JobError(
+            f"sft.enabled=true needs a scripted expert, and {cfg.env.id} declares none: set sft.expert=module:function,"
+            " or sft.enabled=false (RL then starts from the model as it is)"
+        )
+    return found
 
 
 def action_text(action: str) -> str:
@@ -70,7 +100,7 @@ def expert_samples(
     cfg: JobConfig, tok: ChatTokenizer, seeds: range, split: str, workers: int = 4
 ) -> tuple[list[Sample], float]:
     """Expert episodes in parallel threads (each with its own env): the time goes to sandboxed tool calls."""
-    expert = load_expert(cfg.sft.expert)
+    expert, _ = require_expert(cfg)
     chunks = [list(seeds)[i::workers] for i in range(workers)]
 
     def play(chunk: list[int]) -> list[tuple[Sample, bool]]:
@@ -91,11 +121,11 @@ def cache_key(cfg: JobConfig, base_dir: Path) -> str:
     for name in sorted(p.name for p in base_dir.iterdir() if p.is_file()):
         h.update(name.encode())
         h.update(hashlib.sha256((base_dir / name).read_bytes()).digest())
-    module = importlib.import_module(cfg.sft.expert.partition(":")[0])
-    h.update(Path(str(module.__file__)).read_bytes())  # the expert's code decides the traces
-    sft = cfg.sft.model_dump(exclude={"threads"})  # thread count does not change the result's meaning
+    expert, name = require_expert(cfg)
+    h.update(Path(str(sys.modules[expert.__module__].__file__)).read_bytes())  # the expert's code decides the traces
+    sft = cfg.sft.model_dump(exclude={"threads", "expert"})  # thread count does not change the result's meaning
     trainer = cfg.trainer.model_dump(include=IMITATION_TRAINER_KEYS)
-    payload = {"sft": sft, "env": cfg.env.model_dump(), "trainer": trainer, "v": 3}
+    payload = {"sft": sft, "expert": name, "env": cfg.env.model_dump(), "trainer": trainer, "v": 4}
     h.update(json.dumps(payload, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
