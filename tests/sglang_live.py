@@ -82,7 +82,8 @@ def start_server(work: Path, model_dir: Path | None = None, extra: tuple[str, ..
     env["PYTHONPATH"] = str(venv / "cpu_stubs")  # the CPU stand-in for sgl_kernel, and nothing of ours
     cmd = [str(venv / "bin" / "python"), "-m", "sglang.launch_server", "--model-path", str(model_dir)]
     cmd += ["--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
-    cmd += ["--mem-fraction-static", "0.05", "--max-total-tokens", "8192", "--disable-cuda-graph", *extra]
+    cmd += ["--mem-fraction-static", "0.05", "--max-total-tokens", "8192", "--disable-cuda-graph"]
+    cmd += ["--sleep-on-idle", *extra]  # an idle server would otherwise keep half a core busy for the whole session
     log = work / "sglang-server.log"
     t0 = time.monotonic()
     with log.open("w") as out:

@@ -23,9 +23,11 @@ from agentflow.engine.sglang_client import (
     error_text,
     parse_generate_reply,
     parse_score_reply,
+    sampling_json,
 )
 from agentflow.model_init import ModelInitConfig, init_model
 from agentflow.types import InferenceEngine, SamplingParams
+from transfer_mesh.transport import VersionRefused
 
 KEY = "client-key"
 LONG = SamplingParams(temperature=1.0, max_new_tokens=1500)
@@ -264,3 +266,31 @@ def test_real_sglang_server() -> None:
         client.pause("in_place")
         client.resume()
         assert client.flush_cache()
+
+
+# ------------------------------------------------------------------------- what real SGLang needs, on our server
+
+
+def test_sampling_json_sets_ignore_eos_only_without_stop_ids() -> None:
+    """SGLang's ``ignore_eos`` disables ``stop_token_ids`` too; our server follows it."""
+    assert sampling_json(SamplingParams(stop_token_ids=()))["ignore_eos"] is True
+    sp = sampling_json(SamplingParams(stop_token_ids=(7,)))
+    assert sp["ignore_eos"] is False and sp["stop_token_ids"] == [7]
+
+
+def test_score_positions_and_refused_updates(cluster) -> None:
+    client, engines, path = cluster
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    for start in (1, 3, 6):
+        got = client.score(ids, start).logprobs
+        assert len(got) == len(ids) - start
+        torch.testing.assert_close(
+            torch.tensor(got), torch.tensor(engines[0].score(ids, start).logprobs), atol=1e-5, rtol=0
+        )
+    assert client.speaks_transfer_mesh()  # ours verify buckets; a plain SGLang server is told apart by /server_info
+    version = client.weight_version
+    with pytest.raises(VersionRefused, match="not in the served model"):
+        client.update_weights(version + 1, {"decoder.norm.weight": torch.ones(64)})
+    assert client.sync_version() == version and all(e.weight_version == version for e in engines)
+    stop = client.generate_sync([5, 6, 7], SamplingParams(max_new_tokens=8, stop_token_ids=tuple(range(1024))))
+    assert stop.finish_reason == "stop" and len(stop.output_ids) == 1

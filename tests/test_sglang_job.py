@@ -74,6 +74,10 @@ def test_rl_job_updates_reach_the_server(sglang_server, tmp_path, monkeypatch, k
     for version, named, served in seen:
         want = _trainer_probe(sglang_server.model_dir, named)
         torch.testing.assert_close(served, want, atol=1e-4, rtol=0, msg=f"version {version}")
+        change = float((served - previous).abs().max()) if previous is not None else float("nan")
+        print(
+            f"{kind} v{version}: max |server - trainer| {float((served - want).abs().max()):.2e}, change {change:.2e}"
+        )
         if previous is not None:
             assert (served - previous).abs().max() > 1e-6, f"version {version} served the same log-probs"
         previous = served
@@ -95,7 +99,7 @@ def test_distillation_from_a_teacher_served_by_sglang(sglang_server, tmp_path) -
     keys += [f"model.path={student}", "sft.enabled=false", "run.steps=2"]
     teacher = {"name": "t", "url": sglang_server.url, "tokenizer": str(sglang_server.model_dir)}
     keys += [f"teachers.models=[{json.dumps(teacher)}]", 'teachers.routes={"default": "t"}', "teachers.reward_coef=0.5"]
-    keys += ["teachers.seq_kd.episodes=4"]
+    keys += ["teachers.seq_kd.episodes=10"]
     summary = run_distill(load_config(None, keys), log=lambda *_: None)
     assert summary["rl_steps"] == 2
     assert summary.get("seq_kd") is not None

@@ -41,6 +41,10 @@ def reference(model_dir, weights: dict[str, torch.Tensor] | None = None) -> Embe
     return engine
 
 
+def _diff(a, b) -> float:
+    return float((torch.as_tensor(a) - torch.as_tensor(b)).abs().max())
+
+
 def probe(engine, ids=PROBE) -> torch.Tensor:
     return torch.tensor(engine.score(list(ids), 1).logprobs)
 
@@ -66,6 +70,7 @@ def test_generate_logprobs_and_stop_ids(live) -> None:
     assert res.finish_reason == "length" and len(res.output_ids) == len(res.logprobs) == 16  # no stop ids: length
     expected = ref.score(prompt + res.output_ids, len(prompt)).logprobs
     torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(expected), atol=TOL, rtol=0)
+    print(f"behaviour log-probs: max |server - reference| {_diff(res.logprobs, expected):.2e}")
     stop = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=tuple(range(1024)))
     res = client.generate_sync(prompt, stop, rid="gen:1")  # every id stops: the first token ends it
     assert res.finish_reason == "stop" and len(res.output_ids) == 1
@@ -88,6 +93,7 @@ def test_score_exact_positions(live) -> None:
         want = ref.score(PROBE, start, top_k=3)
         assert len(got.logprobs) == len(PROBE) - start
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=TOL, rtol=0)
+        print(f"score from {start}: max |server - reference| {_diff(got.logprobs, want.logprobs):.2e}")
         assert [row[0][0] for row in got.top_logprobs] == [row[0][0] for row in want.top_logprobs]
     assert client.score(PROBE, len(PROBE)).logprobs == []
 
@@ -191,8 +197,9 @@ def _update_and_check(client, server, transport_cfg: dict, during_decode: bool, 
         assert r.finish_reason == "length" and len(r.output_ids) == 1200
         assert r.versions == sorted(r.versions) and r.versions[-1] == version
     with reference(server.model_dir, new) as ref_new:
-        after = probe(client)
-        torch.testing.assert_close(after, probe(ref_new), atol=TOL, rtol=0)  # the cached prefix was recomputed
+        after, want = probe(client), probe(ref_new)
+        torch.testing.assert_close(after, want, atol=TOL, rtol=0)  # the cached prefix was recomputed
+        print(f"{transport_cfg['type']} update: probe max |server - new weights| {_diff(after, want):.2e}")
     assert (after - old).abs().max() > 1e-2
     assert client.weight_version == version and client.sync_version() == version
 

@@ -177,8 +177,8 @@ class SGLangWeightUpdates:
         VersionRefused (nothing applied: unknown names, a refusal) or WeightSyncError (applied, but the cache
         could not be flushed or the label did not change)."""
         tensors = [(name, t.detach().to("cpu").contiguous().clone()) for name, t in named_tensors.items()]
-        body = {"serialized_named_tensors": [serialize_named_tensors(tensors)], "weight_version": str(version)}
-        body["flush_cache"] = flush_cache
+        body: dict[str, Any] = {"serialized_named_tensors": [serialize_named_tensors(tensors)]}
+        body.update(weight_version=str(version), flush_cache=flush_cache)
         self.prepare_update([n for n, _ in tensors], pause_mode)
         replies = None
         try:
