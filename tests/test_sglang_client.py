@@ -294,3 +294,36 @@ def test_score_positions_and_refused_updates(cluster) -> None:
     assert client.sync_version() == version and all(e.weight_version == version for e in engines)
     stop = client.generate_sync([5, 6, 7], SamplingParams(max_new_tokens=8, stop_token_ids=tuple(range(1024))))
     assert stop.finish_reason == "stop" and len(stop.output_ids) == 1
+
+
+def _reply(body: object, status: int = 200) -> dict:
+    ctype = "application/json" if not isinstance(body, str) else "text/plain"
+    return {"status": status, "content_type": ctype, "response": body}
+
+
+def test_an_update_the_server_ignores_or_rejects_is_never_done() -> None:
+    """A plain SGLang server that answers success but keeps its label, or refuses: the update raises, the client's
+    version stays, and the server is told to continue either way."""
+    from transfer_mesh.transport import WeightSyncError
+
+    ok, info = (
+        _reply({"success": True, "message": "Success"}),
+        _reply({"model_path": "/nowhere", "weight_version": "4"}),
+    )
+    paused = _reply({"message": "Generation paused successfully.", "status": "ok"})
+    ignored = [info, paused, ok, ok, ok, _reply("Cache flushed.\n"), info, paused]
+    refused = [
+        info,
+        paused,
+        ok,
+        _reply({"success": False, "message": "Failed to update weights: boom"}, 400),
+        ok,
+        paused,
+    ]
+    for replies, error in ((ignored, WeightSyncError), (refused, VersionRefused)):
+        fake = FakeServer(replies)
+        with SGLangEngine([fake.url], health_interval=60) as client:
+            with pytest.raises(error):
+                client.update_weights(5, {"model.norm.weight": torch.ones(4)})
+            assert client.weight_version == 0
+        assert not fake.replies  # every call was made, /continue_generation last
