@@ -52,7 +52,7 @@ def test_timeout_kills_process_group(sb, use_async):
     cmd = "sleep 101 & setsid sleep 102 & sleep 103"
     start = time.monotonic()
     r = asyncio.run(sb.aexec(cmd, timeout=0.5)) if use_async else sb.exec(cmd, timeout=0.5)
-    assert r.timed_out and r.exit_code != 0
+    assert r.timed_out and r.exit_code != 0 and "timeout" in r.limits_hit
     assert time.monotonic() - start < 2.0
     time.sleep(0.1)
     assert _pgrep("sleep 10[123]") == ""
@@ -90,7 +90,7 @@ def test_file_size_limit(sb):
 def test_cpu_limit(sb):
     start = time.monotonic()
     r = sb.exec(["python3", "-c", "while True: pass"], timeout=10, limits=Limits(cpu_s=1))
-    assert r.exit_code != 0 and not r.timed_out
+    assert r.exit_code != 0 and not r.timed_out and r.limits_hit == ("cpu",), r
     assert time.monotonic() - start < 5
 
 
@@ -100,7 +100,7 @@ def test_fork_bomb_contained(kind):
         if not sandbox.pids_limit_enforced:
             pytest.skip("no pids cgroup on this machine (cgroupfs not writable): fork bombs are not contained")
         r = sandbox.exec("bomb() { bomb | bomb & }; bomb; sleep 1; echo alive", timeout=5)
-        assert "fork" in r.stderr.lower() and not r.timed_out
+        assert "fork" in r.stderr.lower() and not r.timed_out and "pids" in r.limits_hit
         assert sandbox.exec("echo after").stdout == "after\n", "the sandbox must stay usable after a fork bomb"
 
 
@@ -157,16 +157,27 @@ def test_make_sandbox_errors(monkeypatch):
 
 def test_output_is_capped(sb):
     r = sb.exec("head -c 5000000 /dev/zero | tr '\\0' a", limits=Limits(output_kb=4))
-    assert r.ok and len(r.stdout) == 4096
+    assert r.ok and len(r.stdout) == 4096 and r.limits_hit == ("output",), r
+    r = sb.exec("echo small")
+    assert r.limits_hit == (), r
+
+
+@pytest.mark.parametrize("kind", ISOLATED)
+def test_sandbox_wide_caps_hold(kind):
+    """As root (CI), every sandbox-wide cap holds: pids and memory cgroups, sized /tmp and workdir."""
+    with _make(kind) as sandbox:
+        missing = [name for name, held in sandbox.enforced.items() if not held]
+        require(not missing or os.geteuid() != 0, f"sandbox caps {missing} (cgroups and tmpfs mounts, as root)")
+        assert sandbox.exec("df -k /tmp | tail -1").stdout.split()[1] == str(64 * 1024)
 
 
 @pytest.mark.docker
 def test_docker_container_settings_and_removal():
     import docker
 
-    with _make("docker", limits=Limits(memory_mb=300, max_procs=40)) as sandbox:
-        r = sandbox.exec("id -u; cat /proc/self/status | grep -E '^(NoNewPrivs|CapEff)'; ls /sys/class/net")
-        assert r.stdout.split() == ["1000", "CapEff:", "0000000000000000", "NoNewPrivs:", "1", "lo"]
+    with _make("docker", limits=Limits(memory_mb=200, sandbox_memory_mb=300, max_procs=40)) as sandbox:
+        r = sandbox.exec("id -u; cat /proc/self/status | grep -E '^(NoNewPrivs|CapEff|Seccomp):'; ls /sys/class/net")
+        assert r.stdout.split() == ["1000", "CapEff:", "0000000000000000", "NoNewPrivs:", "1", "Seccomp:", "2", "lo"]
         host = sandbox.container.attrs["HostConfig"]
         assert (host["NetworkMode"], host["ReadonlyRootfs"], host["PidsLimit"]) == ("none", True, 40)
         assert host["Memory"] == 300 * 1024 * 1024

@@ -26,11 +26,11 @@ _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _MB = 1024 * 1024
 
 
-def _own_cgroup_paths() -> dict[str, str]:
-    """Map controller name (or ``""`` for the v2 unified entry) to this process's cgroup path."""
+def _own_cgroup_paths(pid: str = "self") -> dict[str, str]:
+    """Map controller name (or ``""`` for the v2 unified entry) to the cgroup path of ``pid`` (default: this one)."""
     paths: dict[str, str] = {}
     with contextlib.suppress(OSError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
             _, controllers, path = line.split(":", 2)
             for name in controllers.split(",") if controllers else [""]:
                 paths[name] = path
@@ -194,6 +194,21 @@ class SandboxCgroup:
             group.remove()
             return None
         return group
+
+    @classmethod
+    def of_process(cls, pid: int) -> SandboxCgroup | None:
+        """A read-only view of the cgroups ``pid`` is in (e.g. a container's), for :meth:`events`; None if unseen."""
+        own = _own_cgroup_paths(str(pid))
+        dirs: dict[str, _Dir] = {}
+        for name in ("pids", "memory"):
+            v1 = _CGROUP_ROOT / name / own.get(name, "").lstrip("/")
+            if name in own and (v1 / "cgroup.procs").exists():
+                dirs[name] = _Dir(v1, "v1")
+        unified = _CGROUP_ROOT / own.get("", "").lstrip("/")
+        if not dirs and "" in own and (unified / "cgroup.procs").exists():
+            controllers = _Dir(unified, "v2").read("cgroup.controllers").split()
+            dirs = {c: _Dir(unified, "v2") for c in ("pids", "memory") if c in controllers}
+        return cls(dirs, owned=[]) if dirs else None
 
     def child(self, name: str) -> SandboxCgroup | None:
         """A sub-cgroup for one exec (in the pids hierarchy; v2: both), counted against this one's limits."""

@@ -1,9 +1,13 @@
 """The ``docker`` sandbox: one container per sandbox, driven through the ``docker`` SDK.
 
-The container: no network (``network_mode="none"``), a read-only root filesystem, a private tmpfs ``/tmp`` and an
-anonymous volume at ``/work`` (the workdir; a volume, not a tmpfs, so that file put/get through tar archives see
-it), memory, pids and CPU limits, every capability dropped, ``no-new-privileges``, the image's non-root user (the
-local image runs as ``sandbox``, uid 1000), and ``docker-init`` as pid 1 so orphans are reaped.
+The container makes the bwrap sandbox's promises: no network (``network_mode="none"``), a read-only root
+filesystem, every capability dropped, ``no-new-privileges``, the image's non-root user (the local image runs as
+``sandbox``, uid 1000), the same seccomp filter (:mod:`envs.sandbox.seccomp`, as the container's profile), memory
+(``sandbox_memory_mb``, swap included) and pids limits for the whole container, and ``docker-init`` as pid 1 so
+orphans are reaped. ``/tmp`` and ``/dev/shm`` are private tmpfs mounts of ``tmp_mb`` each, and the workdir ``/work``
+is a volume of the ``local`` driver backed by a ``workdir_mb`` tmpfs (a volume, not a tmpfs mount, so that file
+put/get through tar archives see it). Where the engine runs on this machine, the limits an exec hits are read from
+the container's cgroups and mounts (through ``/proc/PID``) and reported in ``limits_hit``.
 
 Each ``exec`` runs ``sh -c WRAPPER`` which sets the per-process rlimits (``ulimit -v -t -f -c``), runs the command,
 then kills whatever the command left behind. Every process of one exec carries an environment marker
@@ -33,8 +37,11 @@ import weakref
 from typing import Any
 
 from envs.errors import SandboxError
+from envs.sandbox import mounts
 from envs.sandbox.base import ExecResult, Limits, cmd_argv
+from envs.sandbox.cgroup import SandboxCgroup
 from envs.sandbox.image import IMAGE_TAG, SANDBOX_UID, SANDBOX_WORKDIR, ensure_image
+from envs.sandbox.seccomp import docker_profile
 
 INSTALL_HINT = "install the SDK with `pip install docker` (extra `agentflow[docker]`) and a docker engine"
 LABEL = "agentflow.sandbox"
@@ -53,7 +60,8 @@ _KILLER = (
 # $0 = token, $1 = the killer script, $2..$4 = the rlimits, then the command. The shell stays the parent of the
 # command so that it can kill the leftovers afterwards (as a process without the marker).
 _WRAPPER = (
-    't=$0; k=$1; ulimit -v $2 && ulimit -t $3 && ulimit -f $4 && ulimit -c 0 || exit 125; shift 4; "$@"; '
+    "t=$0; k=$1; ulimit -v $2 && ulimit -S -t $3 && ulimit -H -t $(($3+1)) && ulimit -f $4 && ulimit -c 0 || exit 125; "
+    'shift 4; "$@"; '
     "rc=$?; exec env -u " + MARKER + ' /bin/sh -c "$k" "$rc" "$t"'
 )
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
@@ -105,9 +113,12 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
         return _EXECUTOR
 
 
-def _remove_container(container: Any) -> None:
+def _remove_container(container: Any, volume: Any = None) -> None:
     with contextlib.suppress(Exception):
         container.remove(force=True, v=True)
+    if volume is not None:
+        with contextlib.suppress(Exception):
+            volume.remove(force=True)
 
 
 class _Demux:
@@ -117,6 +128,7 @@ class _Demux:
         self.cap = cap
         self.pending = bytearray()
         self.out = {1: bytearray(), 2: bytearray()}
+        self.dropped = False
 
     def feed(self, data: bytes) -> None:
         self.pending += data
@@ -125,23 +137,60 @@ class _Demux:
             if len(self.pending) < 8 + size:
                 return
             buf = self.out.get(kind)
-            if buf is not None and len(buf) < self.cap:
-                buf += self.pending[8 : 8 + min(size, self.cap - len(buf))]
+            if buf is not None:
+                room = max(self.cap - len(buf), 0)
+                self.dropped = self.dropped or size > room
+                buf += self.pending[8 : 8 + min(size, room)]
             del self.pending[: 8 + size]
 
     def text(self, kind: int) -> str:
         return bytes(self.out[kind]).decode("utf-8", errors="replace")
 
 
-class DockerSandbox:
-    """A container with network off, read-only root, private ``/tmp``, a ``/work`` volume, limits (module doc).
+class _HostView:
+    """A container seen from this machine (when its engine runs here): its cgroups' counters and its mounts."""
 
-    ``memory_mb`` (default ``limits.memory_mb``) is the memory cgroup of the whole container, ``cpus`` its CPU
-    share; ``limits`` also gives the per-process rlimits of each exec and the container's pids limit.
+    def __init__(self, pid: int) -> None:
+        self.cgroup = SandboxCgroup.of_process(pid)
+        self.root = f"/proc/{pid}/root"
+
+    @classmethod
+    def of(cls, container: Any) -> _HostView | None:
+        with contextlib.suppress(Exception):
+            container.reload()
+            pid = int(container.attrs["State"]["Pid"])
+            if pid > 0 and os.access(f"/proc/{pid}/root{SANDBOX_WORKDIR}", os.R_OK):
+                return cls(pid)
+        return None
+
+    def events(self) -> dict[str, int]:
+        return self.cgroup.events() if self.cgroup is not None else {}
+
+    def hits(self, before: dict[str, int]) -> list[str]:
+        """The sandbox-wide limits hit since ``before`` (an :meth:`events` reading) or full now."""
+        after, hit = self.events(), []
+        for key, name in (("oom_kills", "memory"), ("pids_refused", "pids")):
+            if after.get(key, 0) > before.get(key, 0):
+                hit.append(name)
+        if mounts.full(self.root + "/tmp") or mounts.full(self.root + "/dev/shm"):
+            hit.append("tmp")
+        if mounts.full(self.root + SANDBOX_WORKDIR):
+            hit.append("workdir")
+        return hit
+
+
+class DockerSandbox:
+    """A container with network off, read-only root, no capabilities, seccomp, sized scratch and workdir (module doc).
+
+    ``memory_mb`` (default ``limits.sandbox_memory_mb``) is the memory cgroup of the whole container, ``cpus`` its
+    CPU share, ``tmp_mb`` (default ``limits.tmp_mb``) the size of ``/tmp`` and of ``/dev/shm``; ``limits`` also gives
+    the per-process rlimits of each exec, the container's pids limit and the workdir's size (``workdir_mb``).
     """
 
     kind = "docker"
     pids_limit_enforced = True
+    enforced = {"pids": True, "memory": True, "tmp": True, "workdir": True}
+    """Every sandbox-wide cap holds in a container (the engine enforces them)."""
 
     def __init__(
         self,
@@ -152,7 +201,7 @@ class DockerSandbox:
         user: str | None = None,
         memory_mb: int | None = None,
         cpus: float = 1.0,
-        tmp_mb: int = 64,
+        tmp_mb: int | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.client = docker_client(base_url)
@@ -160,10 +209,18 @@ class DockerSandbox:
         self.user = _image_user(self.client, self.image) if user is None else user
         self._extra_env = dict(env or {})
         self._pids_max = self.limits.max_procs
+        self._memory_fixed = memory_mb is not None
+        self._memory_mb = memory_mb or self.limits.sandbox_memory_mb
         self._closed = False
         self._lock = threading.Lock()
-        self.container = self._start_container(memory_mb or self.limits.memory_mb, cpus, tmp_mb)
-        self._finalizer = weakref.finalize(self, _remove_container, self.container)
+        self.volume = self._make_volume(self.limits.workdir_mb)
+        try:
+            self.container = self._start_container(self._memory_mb, cpus, tmp_mb or self.limits.tmp_mb)
+        except BaseException:
+            _remove_container(None, self.volume)
+            raise
+        self._finalizer = weakref.finalize(self, _remove_container, self.container, self.volume)
+        self._host = _HostView.of(self.container)
 
     @property
     def workdir(self) -> str:
@@ -175,6 +232,18 @@ class DockerSandbox:
         """True once :meth:`close` ran."""
         return self._closed
 
+    def _make_volume(self, workdir_mb: int) -> Any:
+        """The workdir: a ``local`` volume backed by a tmpfs of ``workdir_mb``, owned by the sandbox's user."""
+        uid = SANDBOX_UID if self.user else 0
+        opts = {"type": "tmpfs", "device": "tmpfs", "o": f"size={workdir_mb}m,uid={uid},gid={uid},mode=0755"}
+        labels = {LABEL: "1", f"{LABEL}.pid": str(os.getpid())}
+        try:
+            return self.client.volumes.create(
+                name=f"agentflow-sbx-{uuid.uuid4().hex[:16]}", driver="local", driver_opts=opts, labels=labels
+            )
+        except Exception as e:  # noqa: BLE001 - docker.errors and connection errors alike
+            raise SandboxError(f"could not create the sandbox's workdir volume: {e}") from e
+
     def _start_container(self, memory_mb: int, cpus: float, tmp_mb: int) -> Any:
         docker = _docker_module()
         kw: dict[str, Any] = dict(
@@ -184,14 +253,15 @@ class DockerSandbox:
             network_mode="none",
             read_only=True,
             tmpfs={"/tmp": f"rw,nosuid,nodev,size={tmp_mb}m,mode=1777"},
-            mounts=[docker.types.Mount(SANDBOX_WORKDIR, None, type="volume")],
+            shm_size=f"{tmp_mb}m",
+            mounts=[docker.types.Mount(SANDBOX_WORKDIR, self.volume.name, type="volume")],
             working_dir=SANDBOX_WORKDIR,
             mem_limit=f"{memory_mb}m",
             memswap_limit=f"{memory_mb}m",
             pids_limit=self._pids_max,
             nano_cpus=int(cpus * 1e9),
             cap_drop=["ALL"],
-            security_opt=["no-new-privileges"],
+            security_opt=["no-new-privileges", f"seccomp={docker_profile()}"],
             user=self.user,
             hostname="sandbox",
             labels={LABEL: "1", f"{LABEL}.pid": str(os.getpid())},
@@ -209,11 +279,13 @@ class DockerSandbox:
         if self._closed:
             raise SandboxError("the sandbox is closed")
         lim = limits or self.limits
-        self._apply_pids(lim.max_procs)
+        self._apply(lim)
         token = uuid.uuid4().hex
         rl = [str(lim.memory_mb * 1024), str(lim.cpu_s), str(lim.file_size_mb * 2048)]  # KiB, s, 512-byte blocks
         argv = ["/bin/sh", "-c", _WRAPPER, token, _KILLER, *rl, *cmd_argv(cmd)]
         env = {**_BASE_ENV, "HOME": SANDBOX_WORKDIR, "TMPDIR": "/tmp", **self._extra_env, MARKER: token}
+        host = self._host
+        before = host.events() if host is not None else {}
         start = time.monotonic()
         try:
             exec_id = self.client.api.exec_create(
@@ -231,7 +303,9 @@ class DockerSandbox:
             with contextlib.suppress(OSError):
                 sock.close()
         code = -9 if timed_out else self._exit_code(exec_id)
-        return ExecResult(demux.text(1), demux.text(2), code, timed_out, time.monotonic() - start)
+        hits = ["timeout"] * timed_out + ["output"] * demux.dropped + ["cpu"] * (code == 128 + 24)
+        hits += host.hits(before) if host is not None else []
+        return ExecResult(demux.text(1), demux.text(2), code, timed_out, time.monotonic() - start, tuple(hits))
 
     def _pump(
         self, raw: socket.socket, exec_id: str, token: str, data: bytes | None, demux: _Demux, deadline: float
@@ -311,12 +385,26 @@ class DockerSandbox:
         with contextlib.suppress(Exception):
             if not self._closed:
                 self.container.restart(timeout=0)
+                self._host = _HostView.of(self.container)  # a new init process
 
-    def _apply_pids(self, max_procs: int) -> None:
+    def _apply(self, lim: Limits) -> None:
+        """Follow the exec's pids and memory limits (the sizes of ``/tmp`` and the workdir are fixed at start)."""
         with self._lock:
-            if max_procs != self._pids_max:
-                self.container.update(pids_limit=max_procs)
-                self._pids_max = max_procs
+            if lim.max_procs != self._pids_max:
+                self._update({"PidsLimit": lim.max_procs})
+                self._pids_max = lim.max_procs
+            if not self._memory_fixed and lim.sandbox_memory_mb != self._memory_mb:
+                mem = lim.sandbox_memory_mb * _MB
+                self._update({"Memory": mem, "MemorySwap": mem})
+                self._memory_mb = lim.sandbox_memory_mb
+
+    def _update(self, body: dict[str, int]) -> None:
+        """``POST /containers/ID/update`` (the SDK's ``update`` has no pids limit)."""
+        api = self.client.api
+        try:
+            api._raise_for_status(api._post_json(api._url("/containers/{0}/update", self.container.id), data=body))
+        except Exception as e:  # noqa: BLE001
+            raise SandboxError(f"could not change the sandbox container's limits {body}: {e}") from e
 
     async def aexec(
         self, cmd: list[str] | str, stdin: str | None = None, timeout: float = 10.0, limits: Limits | None = None

@@ -249,7 +249,8 @@ class LocalSandbox:
             after = self._cgroup.events()
             if after.get("oom_kills", 0) > run.events.get("oom_kills", 0):
                 hit.append("memory")
-            if after.get("pids_refused", 0) > run.events.get("pids_refused", 0):
+            refused = after.get("pids_refused", 0) - run.events.get("pids_refused", 0)
+            if refused > 0 or run.own_events.get("pids_refused", 0) > 0:
                 hit.append("pids")
         for name, path in self._sized_paths().items():
             if self.enforced[name] and mounts.full(path):
@@ -281,10 +282,12 @@ class LocalSandbox:
             start_new_session=True,
         )
 
-    def _finish(self, pid: int, group: SandboxCgroup | None) -> None:
+    def _finish(self, pid: int, run: _Exec) -> None:
         """Kill whatever the exec left behind (its cgroup, which also removes it) after the command was reaped."""
-        if group is not None:
-            group.remove()
+        if run.group is not None:
+            run.group.kill_all()
+            run.own_events = run.group.events()  # cgroup v1 counts refused forks in the exec's own group
+            run.group.remove()
         with self._lock:
             self._live.discard(pid)
 
@@ -314,7 +317,7 @@ class LocalSandbox:
                 if pipe is not None:
                     pipe.close()
             proc.wait()
-            self._finish(proc.pid, group)
+            self._finish(proc.pid, run)
         code = proc.returncode
         hits = self._hits(lim, run, code, timed_out, dropped)
         return ExecResult(_decode(out), _decode(err), code, timed_out, time.monotonic() - start, hits)
@@ -405,7 +408,7 @@ class LocalSandbox:
                 proc._transport.close()  # type: ignore[attr-defined]  # pipes held by leftovers: stop reading
             with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
                 await asyncio.wait_for(proc.wait(), timeout=_KILL_GRACE_S)
-            self._finish(proc.pid, group)
+            self._finish(proc.pid, run)
         code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         hits = self._hits(lim, run, code, timed_out, any(dropped))
         return ExecResult(_decode(bufs[0]), _decode(bufs[1]), code, timed_out, time.monotonic() - start, hits)
@@ -449,6 +452,7 @@ class _Exec:
 
     def __init__(self, group: SandboxCgroup | None, events: dict[str, int], fds: list[int]) -> None:
         self.group, self.events, self.fds = group, events, fds
+        self.own_events: dict[str, int] = {}
 
     def close_fds(self) -> None:
         for fd in self.fds:
