@@ -78,6 +78,11 @@ class RolloutConfig(Section):
     episode_retries: int = Field(4, ge=0)
     """Replays of an episode whose engine or env worker died under it, 1, 2, 4, 8, 8... s apart so a restarting actor
     can come back (after the last, it stays an ``error`` trajectory)."""
+    reset_timeout_s: float = Field(300.0, gt=0)
+    """Seconds one env reset may take; past it the episode ends ``error`` with the reason and the env is dropped."""
+    step_timeout_s: float = Field(300.0, gt=0)
+    """Seconds one env step may take (a tool call, or the final answer and its verifier); past it the episode ends
+    ``error`` with the reason, its slot is freed and the env is dropped (a hung call cannot hold the job)."""
     partial: Literal["continue", "recycle"] = "continue"
     """Partial rollouts at a weight update: in-flight generations ``continue`` under the new version (each token
     stamped with its own), or are aborted and ``recycle``d (run again from the same input under the new one)."""

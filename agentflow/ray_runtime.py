@@ -401,6 +401,12 @@ class RemoteEnvPool:
             return
         self._free.setdefault(env._agentflow_pool_key, []).append(env)
 
+    def discard(self, env: RemoteEnv) -> None:
+        """Forget an env whose call timed out; its worker drops it (the call may still run there)."""
+        if env in self._all:
+            self._all.remove(env)
+        env.close()
+
     def pids(self) -> list[int]:
         return ray.get([w.pid.remote() for w in self.workers])
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import envs
@@ -84,11 +86,54 @@ class EnvPool:
     def release(self, env: Any) -> None:
         self._free.setdefault(env._agentflow_pool_key, []).append(env)
 
+    def discard(self, env: Any) -> None:
+        """Forget an env that must not be reused; it is closed in a daemon thread (its close may hang as well)."""
+        if env in self._all:
+            self._all.remove(env)
+        threading.Thread(target=env.close, daemon=True, name="env-discard").start()
+
     def close(self) -> None:
         for env in self._all:
             env.close()
         self._all.clear()
         self._free.clear()
+
+
+@dataclass(frozen=True)
+class EnvTimeouts:
+    """How long one env reset and one env step (a tool call, or an answer and its verifier) may take."""
+
+    reset_s: float = 300.0
+    step_s: float = 300.0
+
+
+class EnvTimeoutError(RuntimeError):
+    """An env call outlived its timeout; the episode ends ``error`` with this reason and the env is not reused."""
+
+
+class TimedEnv:
+    """An env whose ``areset``/``astep`` give up after their timeouts; everything else is the env's own."""
+
+    def __init__(self, env: Any, timeouts: EnvTimeouts) -> None:
+        self.env, self.timeouts = env, timeouts
+        self.timed_out: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+    async def areset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        call = self.env.areset(seed=seed, options=options)
+        return await self._within(call, self.timeouts.reset_s, "reset", "rollout.reset_timeout_s")
+
+    async def astep(self, action: str) -> Any:
+        return await self._within(self.env.astep(action), self.timeouts.step_s, "step", "rollout.step_timeout_s")
+
+    async def _within(self, call: Any, limit: float, what: str, key: str) -> Any:
+        try:
+            return await asyncio.wait_for(call, limit)
+        except TimeoutError:
+            self.timed_out = f"env {what} took longer than {limit:g} s ({key})"
+            raise EnvTimeoutError(self.timed_out) from None
 
 
 class Rollouts:
@@ -103,6 +148,7 @@ class Rollouts:
         max_concurrency: int,
         agent: BaseAgent | None = None,
         retries: int = 2,
+        timeouts: EnvTimeouts | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.pool, self.max_len = engine, tokenizer, pool, max_len
         self.limit = asyncio.Semaphore(max_concurrency)
@@ -114,6 +160,9 @@ class Rollouts:
         self.retried: dict[str, int] = {"engine": 0, "env_worker": 0}
         self.retried_ids: list[str] = []
         self.lost_for_good = 0
+        self.timeouts = timeouts or EnvTimeouts()
+        self.timed_out: list[str] = []
+        """Why each timed-out episode ended (its env was discarded, not reused)."""
 
     async def episode(self, spec: EpisodeSpec, sampling: SamplingParams) -> Trajectory:
         for attempt in range(self.retries + 1):
@@ -134,13 +183,19 @@ class Rollouts:
         """One try; the second value names the part that died under it (``engine``, ``env_worker``) or is None."""
         async with self.limit:
             env = self.pool.acquire(spec.env_id, spec.env_kwargs)
+            timed = TimedEnv(env, self.timeouts)
             self.engine_busy.enter()
             try:
-                episode = Episode(spec, env, self.engine, self.tokenizer, sampling, self.max_len)
+                episode = Episode(spec, timed, self.engine, self.tokenizer, sampling, self.max_len)
                 traj = await self.agent.run(episode)
             finally:
                 self.engine_busy.exit()
-                self.pool.release(env)
+                if timed.timed_out is None:
+                    self.pool.release(env)
+                else:  # its call may still be running in an abandoned thread: never hand this env out again
+                    self.pool.discard(env)
+            if timed.timed_out is not None:
+                self.timed_out.append(f"{spec.traj_id}: {timed.timed_out}")
             self.episodes += 1
         if isinstance(self.engine, SupervisedEngine) and traj.id in self.engine.lost:  # its engine died under it
             self.engine.lost.discard(traj.id)

@@ -84,6 +84,10 @@ class EnvProvider(Protocol):
         """Give an env back for a later episode."""
         ...
 
+    def discard(self, env: Any) -> None:
+        """Drop an env that must not be reused (its call timed out), closing it without waiting."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -93,6 +93,8 @@ def fault_report(job: Job) -> dict[str, Any]:
         "retried_ids": list(r.retried_ids),
         "lost_after_retries": r.lost_for_good,
         "engine_restarts": job.engine.restarts if isinstance(job.engine, SupervisedEngine) else 0,
+        "env_timeouts": len(r.timed_out),
+        "env_timeout_reasons": r.timed_out[:20],
     }
 
 

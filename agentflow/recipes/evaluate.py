@@ -12,7 +12,8 @@ from agentflow.builder import JobError, data_mixture, env_pool, pin_threads
 from agentflow.chat import ChatTokenizer
 from agentflow.config import JobConfig
 from agentflow.episode import EpisodeSpec
-from agentflow.rollout import Rollouts, per_type_success, success_summary
+from agentflow.rollout import EnvTimeouts, Rollouts, per_type_success, success_summary
+from agentflow.threads import use_daemon_threads
 from agentflow.types import SamplingParams
 from envs.tasks import DataSource
 
@@ -93,6 +94,7 @@ async def evaluate_dir(cfg: JobConfig, model_dir: Path) -> dict[str, dict[str, A
     its own (closed afterwards)."""
     from agentflow.engine.factory import make_engine
 
+    use_daemon_threads()
     engine = make_engine(cfg.engine, model_dir, seed=cfg.run.seed)
     pool = env_pool(cfg)
     agent = agent_from_config(cfg)
@@ -100,7 +102,9 @@ async def evaluate_dir(cfg: JobConfig, model_dir: Path) -> dict[str, dict[str, A
     try:
         await agent.start(engine, tokenizer)
         r = cfg.rollout
-        rollouts = Rollouts(engine, tokenizer, pool, cfg.engine.max_len, r.max_concurrency, agent, r.episode_retries)
+        timeouts = EnvTimeouts(r.reset_timeout_s, r.step_timeout_s)
+        rollouts = Rollouts(engine, tokenizer, pool, cfg.engine.max_len, r.max_concurrency, agent, r.episode_retries,
+                            timeouts)  # fmt: skip
         return await evaluate_sources(rollouts, cfg)
     finally:
         await agent.close()

@@ -23,6 +23,7 @@ from agentflow.chat import ChatTokenizer
 from agentflow.config import JobConfig
 from agentflow.controller import to_samples
 from agentflow.rollout import Rollouts, success_summary
+from agentflow.threads import use_daemon_threads
 from agentflow.types import Group, InferenceEngine, SamplingParams, Trajectory
 from envs.tasks import Draw
 from teachers.routing import Router
@@ -45,6 +46,7 @@ def assign_draws(cfg: JobConfig, router: Router) -> dict[str, list[tuple[int, Dr
 
 
 async def _play(rollouts: Rollouts, pairs: list[tuple[int, Draw]], sampling: SamplingParams) -> list[Group]:
+    use_daemon_threads()
     return list(await asyncio.gather(*(rollouts.play_group(f"kd{i}", draw, 1, sampling) for i, draw in pairs)))
 
 
