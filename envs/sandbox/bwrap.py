@@ -74,6 +74,20 @@ def bwrap_works() -> bool:
 
 
 @functools.cache
+def bwrap_version() -> tuple[int, ...]:
+    """The installed bubblewrap's version, e.g. ``(0, 8, 0)``; ``()`` when it cannot be read."""
+    exe = bwrap_path()
+    if exe is None:
+        return ()
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    parts = out.split()[-1].split(".") if out.split() else []
+    return tuple(int(p) for p in parts if p.isdigit())
+
+
+@functools.cache
 def unprivileged_userns() -> bool:
     """True when ``nobody`` may create a user namespace here (root then runs bwrap as ``nobody``); checked once."""
     exe, setpriv = bwrap_path(), shutil.which("setpriv")
@@ -181,6 +195,9 @@ class BwrapSandbox(LocalSandbox):
             if mounts.mount_tmpfs(path, size, uid=uid if uid is not None else os.geteuid()):
                 self._mounted.append(path)
                 self.enforced[key] = True
+        # Without a sized scratch mount (not root), bwrap >= 0.9 gives each exec a sized tmpfs instead.
+        self._per_exec_tmp = not self.enforced["tmp"] and bwrap_version() >= (0, 9)
+        self.enforced["tmp"] = self.enforced["tmp"] or self._per_exec_tmp
         self._tmp, self._shm = os.path.join(self._scratch, "tmp"), os.path.join(self._scratch, "shm")
         for path in (self._tmp, self._shm):
             os.mkdir(path)
@@ -194,12 +211,13 @@ class BwrapSandbox(LocalSandbox):
         return [self._tmp, self._shm]
 
     def _sized_paths(self) -> dict[str, str]:
-        return {"tmp": self._scratch, "workdir": self._work}
+        paths = {"tmp": self._scratch, "workdir": self._work}
+        return {name: path for name, path in paths.items() if path in self._mounted}
 
     def _resize(self, old: Limits, lim: Limits) -> None:
-        if self.enforced["tmp"] and lim.tmp_mb != old.tmp_mb:
+        if self._scratch in self._mounted and lim.tmp_mb != old.tmp_mb:
             mounts.resize_tmpfs(self._scratch, lim.tmp_mb)
-        if self.enforced["workdir"] and lim.workdir_mb != old.workdir_mb:
+        if self._work in self._mounted and lim.workdir_mb != old.workdir_mb:
             mounts.resize_tmpfs(self._work, lim.workdir_mb)
 
     # -- the command line --------------------------------------------------------------------------------------
@@ -210,6 +228,15 @@ class BwrapSandbox(LocalSandbox):
         if self._as_root:
             return [self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--"]
         return []
+
+    def _scratch_view(self) -> list[str]:
+        """``/tmp`` and ``/dev/shm``: the sized scratch mount; without one, bwrap >= 0.9 sizes a tmpfs per exec."""
+        if not self._per_exec_tmp:
+            return ["--bind", self._tmp, "/tmp", "--bind", self._shm, "/dev/shm"]
+        size = str(self._applied.tmp_mb * 1024 * 1024)
+        return [*("--perms", "01777", "--size", size, "--tmpfs", "/tmp")] + [
+            *("--perms", "01777", "--size", size, "--tmpfs", "/dev/shm")
+        ]
 
     def _view(self) -> list[str]:
         """The filesystem the command sees (bwrap arguments, applied in order)."""
@@ -222,8 +249,7 @@ class BwrapSandbox(LocalSandbox):
             "--ro-bind", os.path.join(self._etc, "group"), "/etc/group",
             *proc,
             "--dev", "/dev",
-            "--bind", self._tmp, "/tmp",
-            "--bind", self._shm, "/dev/shm",
+            *self._scratch_view(),
             "--bind", self._work, SANDBOX_WORKDIR,
             "--remount-ro", "/dev",
             "--remount-ro", "/",
@@ -234,7 +260,9 @@ class BwrapSandbox(LocalSandbox):
         ns = ["--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
         if not self._as_root:
             ns.append("--unshare-pid")
-        user = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--disable-userns"]
+        user = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID)]
+        if bwrap_version() >= (0, 8):
+            user.append("--disable-userns")  # the seccomp filter refuses new user namespaces too
         return [
             *self._drop,
             self._bwrap,
