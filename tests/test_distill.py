@@ -318,7 +318,7 @@ def test_demo_rl_baseline_gets_as_many_samples_as_distillation():
     per_step = cfg.store.batch_groups * cfg.rollout.group_size
     distill_samples = cfg.run.steps * per_step + cfg.teachers.seq_kd.episodes
     assert cfg.teachers.seq_kd.episodes > 0
-    assert rl_steps(cfg) * per_step == distill_samples  # 100 steps x 64 + 1,600 episodes = 125 steps x 64
+    assert rl_steps(cfg) * per_step == distill_samples  # 75 steps x 64 + 1,600 episodes = 100 steps x 64
 
 
 def test_seq_kd_needs_enough_episodes_to_hold_some_out():
