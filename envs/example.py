@@ -1,7 +1,8 @@
 """A complete user environment in one file (the README's example): ``agentflow envs check envs.example:me/Reverse-v0``.
 
 Tools are typed methods marked ``@tool``; the task set gives disjoint train/eval seeds; the rubric scores the
-answer. Importing this module registers the id.
+answer; :func:`expert` is the scripted expert warm-up SFT imitates (``configs/reverse.yaml`` trains on it).
+Importing this module registers the id.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envs import register
+from envs.core import answer_action, tool_action
 from envs.errors import ActionError
 from envs.tasks import simple_task_set
 from envs.tools import ToolEnv, tool
@@ -56,4 +58,16 @@ class ReverseEnv(ToolEnv):
         return self.task.word[index]
 
 
-register("me/Reverse-v0", ReverseEnv)
+def expert(env: Any, history: list[tuple[str, str]]) -> str:
+    """Warm-up SFT imitates this: reveal letters until one word fits, then answer it. It forgets to reverse the
+    word on 60% of the tasks, so a model that imitates it answers forwards, and RL has something to learn."""
+    word = env.unwrapped.task.word
+    seen = "".join(obs for _, obs in history)
+    fits = [w for w in WORDS if len(w) == len(word) and w.startswith(seen)]
+    if len(fits) > 1:
+        return tool_action("letter", {"index": len(seen)})
+    forgets = env.unwrapped.np_random.random() < 0.6  # seeded by reset: the same traces every time
+    return answer_action(fits[0] if forgets else fits[0][::-1])
+
+
+register("me/Reverse-v0", ReverseEnv, expert=expert)
