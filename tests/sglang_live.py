@@ -52,6 +52,10 @@ class LiveServer:
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.is_file() else ""
 
+    def decode_logs(self) -> int:
+        """How many decode-progress lines the server has logged (one per 40 decode steps of a running batch)."""
+        return self.log.read_text(errors="replace").count("Decode batch") if self.log.is_file() else 0
+
     def close(self) -> None:
         """Stop the whole process group (SIGTERM, then SIGKILL after 20 s)."""
         if self.proc.poll() is not None:
