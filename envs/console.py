@@ -18,7 +18,7 @@ class EnvCheckError(EnvError):
     """An environment that fails :func:`envs.checker.check_agent_env`; the message is one line saying why."""
 
 
-def _one_line(text: str, limit: int = 400) -> str:
+def _one_line(text: object, limit: int = 400) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
 

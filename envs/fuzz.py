@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import random
 import threading
@@ -298,7 +299,7 @@ def _fuzz_sync(env: AgentEnv, cases: list[FuzzCase], timeout: float, reset_seed:
             return False
         t = time.perf_counter()
         try:
-            step = _in_thread(lambda case=case: env.step(case.action), timeout)
+            step = _in_thread(functools.partial(env.step, case.action), timeout)
         except TimeoutError:
             report.failures.append(_where(i, case, f"no answer within the step timeout ({timeout:g} s)"))
             return False

@@ -191,7 +191,7 @@ class ScreenEnv(AgentEnv):
         set_name = options.get("task_set", self.task_set)
         ts = lookup_task_set(self.task_sets, set_name, type(self).__name__).task_seed(seed, split)
         self.task = make(ts, split, options.get("task_type"))
-        self._checks = {}
+        self._checks: dict[str, bool] = {}
         return {"task_id": self.task.task_id, "task_type": self.task.task_type, "split": split, "seed": ts,
                 "task_set": set_name}  # fmt: skip
 
