@@ -53,7 +53,9 @@ class TransportConfig(BaseModel):
     checksum: Literal["auto", "xxh3", "crc32", "sha256"] = "auto"
     """Per-bucket checksum; ``auto`` is xxh3 when the ``xxhash`` package is installed, else crc32."""
     pause_mode: PauseMode = "in_place"
-    """How engines stop generating while a verified version is applied (``none``: apply between decode steps)."""
+    """How engines stop generating while a verified version is applied (``none``: apply between decode steps). A
+    plain SGLang server cannot drop KV of requests paused in place: its client makes ``in_place`` and ``none`` a
+    ``retract``."""
     flush_cache: bool = True
     """Drop the engines' prefix caches with the update (False keeps stale KV)."""
 
