@@ -34,6 +34,7 @@ import sandbox_attacks
 from conftest import require
 
 from envs.sandbox import Limits, ProcessSandbox, bwrap_works, make_sandbox
+from envs.sandbox.bwrap import HOST_UID, unprivileged_userns
 
 TIGHT = Limits(
     memory_mb=256,
@@ -384,6 +385,23 @@ def test_escape_attempts_as_nobody(targets):
     assert inside == set(), {n: res["inside"][n] for n in inside}
     assert set(sandbox_attacks.USER_CAN) <= outside, res["outside"]
     assert res["left"] == 0, "a process of the unprivileged sandbox outlived close()"
+
+
+@pytest.mark.parametrize("kind", CONTAINED)
+def test_processes_are_unprivileged_on_the_host(box, kind):
+    """Seen from the host, no process of the sandbox is root (as root with user namespaces: bwrap runs as nobody)."""
+    b = box(kind)
+    t = threading.Thread(target=b.run, args=("sleep 2",))
+    t.start()
+    deadline, inside = time.monotonic() + 5, []
+    while not inside and time.monotonic() < deadline:
+        time.sleep(0.05)  # util-linux unshare, the host side of the bwrap chain, waits outside the sandbox
+        inside = [p for p in _procs_with(b.token) if Path(f"/proc/{p}/comm").read_text().strip() != "unshare"]
+    uids = {int(line.split()[1]) for p in inside for line in open(f"/proc/{p}/status") if line.startswith("Uid:")}
+    t.join()
+    assert inside and 0 not in uids, uids
+    if kind == "bwrap" and AS_ROOT and unprivileged_userns():
+        assert uids == {HOST_UID}, uids
 
 
 # -- resource caps --------------------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ namespace itself (the sandbox's uid then maps to host root, still without any ca
 from __future__ import annotations
 
 import functools
-import glob
 import os
 import shutil
 import subprocess
@@ -37,23 +36,12 @@ import subprocess
 from envs.errors import SandboxError
 from envs.sandbox import mounts, seccomp
 from envs.sandbox.base import Limits
+from envs.sandbox.etc import SANDBOX_UID, sandbox_etc
 from envs.sandbox.local import LocalSandbox
 
 SANDBOX_WORKDIR = "/tmp/sandbox"  # under the scratch /tmp: the read-only root cannot get a new top-level dir
-SANDBOX_UID = 1000  # the uid (and gid) commands run as inside
 HOST_UID = 65534  # as root, the host uid the sandbox's processes run as (nobody)
 INSTALL_HINT = "install it with `apt-get install bubblewrap`, or use make_sandbox('process') (no network isolation)"
-ETC_ENTRIES = (
-    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "timezone", "nsswitch.conf",
-    "host.conf", "hosts", "gai.conf", "protocols", "services", "mime.types", "magic", "magic.mime",
-    "debian_version", "os-release", "inputrc", "profile", "bash.bashrc", "terminfo",
-)  # fmt: skip
-_PASSWD = (
-    "root:x:0:0:root:/root:/usr/sbin/nologin\n"
-    f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{SANDBOX_WORKDIR}:/bin/sh\n"
-    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-)
-_GROUP = f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"
 
 
 def bwrap_path() -> str | None:
@@ -94,11 +82,21 @@ def unprivileged_userns() -> bool:
     if exe is None or setpriv is None:
         return False
     drop = [setpriv, f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups", "--"]
-    probe = [exe, "--unshare-user", "--ro-bind", "/usr", "/usr", "--", "/usr/bin/true"]
+    probe = [exe, "--unshare-user", "--ro-bind", "/usr", "/usr", *_root_links(), "--", "/usr/bin/true"]
     try:
         return subprocess.run(drop + probe, capture_output=True, timeout=10, cwd="/").returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
+
+
+@functools.cache
+def _unshare_sets_uid(unshare: str) -> bool:
+    """True when util-linux ``unshare`` has ``--setuid``/``--setgid`` (2.38 and later)."""
+    try:
+        out = subprocess.run([unshare, "--help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "--setuid" in out and "--setgid" in out
 
 
 @functools.cache
@@ -111,17 +109,6 @@ def _root_links() -> tuple[str, ...]:
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    return tuple(args)
-
-
-@functools.cache
-def _etc_binds() -> tuple[str, ...]:
-    """bwrap arguments binding the few ``/etc`` entries commands need (the Python ones included)."""
-    args: list[str] = []
-    names = [*ETC_ENTRIES, *sorted(os.path.basename(p) for p in glob.glob("/etc/python3*"))]
-    for name in names:
-        if os.path.lexists(f"/etc/{name}"):
-            args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
     return tuple(args)
 
 
@@ -147,22 +134,28 @@ class BwrapSandbox(LocalSandbox):
         self._bwrap = exe
         seccomp.bpf_program()  # raises SandboxError (with the install hint) where libseccomp is missing
         self._as_root = os.geteuid() == 0
-        self._drop: list[str] = []
-        self._unshare = ""
-        if self._as_root:
-            self._unshare, self._drop = self._root_tools()
+        self._as_nobody = self._as_root and unprivileged_userns()
+        self._pidns = self._root_prefix() if self._as_root else []
         self._extra_args = list(extra_args or [])
         super().__init__(limits=limits, env=env, use_cgroup=use_cgroup)
 
-    @staticmethod
-    def _root_tools() -> tuple[str, list[str]]:
+    def _root_prefix(self) -> list[str]:
+        """As root: the pid namespace (util-linux ``unshare``) and the drop to ``nobody`` that come before bwrap.
+
+        ``unshare --setuid`` (util-linux >= 2.38) drops in the same process start; older ones need ``setpriv``.
+        ``--kill-child`` would not survive that uid change, so it is left out there: the exec's process group and
+        cgroup are killed instead, and the namespace ends with its first process.
+        """
         unshare, setpriv = shutil.which("unshare"), shutil.which("setpriv")
         if unshare is None or setpriv is None:
             raise SandboxError("the bwrap sandbox as root needs util-linux's unshare and setpriv")
-        if not unprivileged_userns():
-            return unshare, []
-        drop = [setpriv, f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups"]
-        return unshare, [*drop, "--inh-caps=-all", "--bounding-set=-all", "--"]
+        pidns = [unshare, "--pid", "--fork", "--mount-proc"]
+        if not self._as_nobody:
+            return [*pidns, "--kill-child", "--"]
+        if _unshare_sets_uid(unshare):
+            return [*pidns, f"--setuid={HOST_UID}", f"--setgid={HOST_UID}", "--"]
+        drop = [setpriv, f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups", "--inh-caps=-all"]
+        return [*pidns, "--kill-child", "--", *drop, "--bounding-set=-all", "--"]
 
     @property
     def workdir(self) -> str:
@@ -172,7 +165,7 @@ class BwrapSandbox(LocalSandbox):
     @property
     def _host_uid(self) -> int | None:
         """The host uid of the sandbox's processes when the host must hand files over to it (root dropping)."""
-        return HOST_UID if self._drop else None
+        return HOST_UID if self._as_nobody else None
 
     def _owned_by(self) -> int | None:
         return self._host_uid
@@ -183,13 +176,10 @@ class BwrapSandbox(LocalSandbox):
     # -- host side ---------------------------------------------------------------------------------------------
     def _prepare_host(self) -> None:
         root, uid = self._root, self._host_uid
-        self._work, self._scratch, self._etc = (os.path.join(root, n) for n in ("work", "scratch", "etc"))
-        for path in (self._work, self._scratch, self._etc):
-            os.mkdir(path, 0o700 if path != self._etc else 0o755)
-        for name, text in (("passwd", _PASSWD), ("group", _GROUP)):
-            with open(os.path.join(self._etc, name), "w") as f:
-                f.write(text)
-            os.chmod(os.path.join(self._etc, name), 0o644)
+        self._etc = sandbox_etc()
+        self._work, self._scratch = os.path.join(root, "work"), os.path.join(root, "scratch")
+        for path in (self._work, self._scratch):
+            os.mkdir(path, 0o700)
         lim = self.limits
         for key, path, size in (("workdir", self._work, lim.workdir_mb), ("tmp", self._scratch, lim.tmp_mb)):
             if mounts.mount_tmpfs(path, size, uid=uid if uid is not None else os.geteuid()):
@@ -224,11 +214,6 @@ class BwrapSandbox(LocalSandbox):
     def _exec_fds(self) -> list[int]:
         return [seccomp.program_fd()]
 
-    def _outer(self) -> list[str]:
-        if self._as_root:
-            return [self._unshare, "--pid", "--fork", "--kill-child", "--mount-proc", "--"]
-        return []
-
     def _scratch_view(self) -> list[str]:
         """``/tmp`` and ``/dev/shm``: the sized scratch mount; without one, bwrap >= 0.9 sizes a tmpfs per exec."""
         if not self._per_exec_tmp:
@@ -244,9 +229,7 @@ class BwrapSandbox(LocalSandbox):
         return [
             "--ro-bind", "/usr", "/usr",
             *_root_links(),
-            *_etc_binds(),
-            "--ro-bind", os.path.join(self._etc, "passwd"), "/etc/passwd",
-            "--ro-bind", os.path.join(self._etc, "group"), "/etc/group",
+            "--ro-bind", self._etc, "/etc",
             *proc,
             "--dev", "/dev",
             *self._scratch_view(),
@@ -264,7 +247,7 @@ class BwrapSandbox(LocalSandbox):
         if bwrap_version() >= (0, 8):
             user.append("--disable-userns")  # the seccomp filter refuses new user namespaces too
         return [
-            *self._drop,
+            *self._pidns,
             self._bwrap,
             *user,
             *ns,

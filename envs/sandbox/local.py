@@ -1,11 +1,11 @@
 """Machinery shared by the sandboxes that run host processes (``bwrap`` and ``process``).
 
-Each ``exec`` runs ``[outer] sh -c 'join the cgroups; ulimit -v -t -f -c; exec "$@"' <isolation> cmd`` in a new
-session, so the whole process group can be killed on timeout (``outer`` is what must come before the limits: the
-bwrap sandbox's pid namespace as root). Where cgroups are available, each exec also gets its own sub-cgroup (under
-the sandbox's, which holds ``pids.max`` and the memory cap), so every process it started, including ``setsid``
-grandchildren, is killed when it ends. Output pipes are closed after the kill: a leaked grandchild holding a pipe
-cannot hang the call. After each exec the limits it ran into are reported in :attr:`ExecResult.limits_hit`.
+Each ``exec`` runs ``sh -c 'join the cgroups; ulimit -v -t -f -c; exec "$@"' <isolation> cmd`` in a new session,
+so the whole process group can be killed on timeout. Where cgroups are available, each exec also gets its own
+sub-cgroup (under the sandbox's, which holds ``pids.max`` and the memory cap), so every process it started,
+including ``setsid`` grandchildren, is killed when it ends. Output pipes are closed after the kill: a leaked
+grandchild holding a pipe cannot hang the call. After each exec the limits it ran into are reported in
+:attr:`ExecResult.limits_hit`.
 """
 
 from __future__ import annotations
@@ -115,10 +115,6 @@ class LocalSandbox:
     def _prepare_host(self) -> None:
         """Make the host side of the sandbox (directories, mounts) under ``self._root``. Nothing by default."""
 
-    def _outer(self) -> list[str]:
-        """What runs before the limits shell (it must not be limited itself). Nothing by default."""
-        return []
-
     def _wrap(self, argv: list[str], fds: list[int]) -> list[str]:
         """The argv that runs ``argv`` inside this sandbox's isolation (``fds``: from :meth:`_exec_fds`)."""
         return argv
@@ -216,7 +212,7 @@ class LocalSandbox:
         rlimits = [str(lim.memory_mb * 1024), str(lim.cpu_s), str(lim.file_size_mb * 2048)]
         limits_sh = ["/bin/sh", "-c", _LIMITS_SH, str(len(joins)), *joins, *rlimits]
         try:
-            argv = [*self._outer(), *limits_sh, *self._wrap(inner, run.fds)]
+            argv = [*limits_sh, *self._wrap(inner, run.fds)]
         except BaseException:
             run.close_fds()
             if group is not None:
