@@ -344,6 +344,23 @@ def test_escape_attempts(box, kind, targets):
         assert "pwned" in targets.evidence() and "udp" in targets.evidence()
 
 
+def test_escape_attempts_where_nobody_may_not_make_user_namespaces(monkeypatch, targets):
+    """The fallback where the kernel refuses user namespaces to nobody: bwrap runs as root and makes the user
+    namespace itself; the sandbox still has no capability, no host view and the seccomp filter."""
+    require(bwrap_works(), "bubblewrap (bwrap)")
+    if not AS_ROOT:
+        pytest.skip("the fallback is for a host running as root")
+    monkeypatch.setattr("envs.sandbox.bwrap.unprivileged_userns", lambda: False)
+    b = Box("bwrap")
+    try:
+        got = _attempts(b, targets.args())
+        succeeded = {name for name, v in got.items() if v["ok"]}
+        assert succeeded == set(), {n: got[n] for n in succeeded}
+        assert targets.evidence() == []
+    finally:
+        b.close_and_count()
+
+
 def _probe_tree() -> str:
     """A copy of the sandbox package, pyseccomp and the probe that ``nobody`` can read and import."""
     root = tempfile.mkdtemp(prefix="af-probe-")
