@@ -9,6 +9,9 @@ Writes ``benchmarks/results/sandbox.json`` and ``.png``:
   token ids: no engine runs here) and a live ``bwrap`` sandbox whose ``sleep`` is still running (an awaited
   ``aexec``), and the proportional memory (PSS, ``/proc/*/smaps_rollup``) of the whole process tree per episode.
   With docker, a few containers are measured the same way (their processes and ``containerd-shim``).
+- ``hardening``: what the measured sandboxes enforce here (the caps that hold, the bwrap version, whether the host ran
+  as root and bwrap as ``nobody``), and ``before_hardening``: the bwrap figures of the last run before the sandbox was
+  hardened (no user namespace, capabilities or seccomp filter as root), carried over from the previous results file.
 
     .venv/bin/python benchmarks/sandbox.py            # full: 1000 paused episodes
     .venv/bin/python benchmarks/sandbox.py --quick    # CI: < 60 s
@@ -32,6 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from envs.sandbox import Limits, SandboxPool, bwrap_works, docker_works, make_sandbox  # noqa: E402
+from envs.sandbox.bwrap import bwrap_version, unprivileged_userns  # noqa: E402
 from envs.sandbox.engine import PrivateDockerd, private_dockerd_available  # noqa: E402
 
 EPISODE_LIMITS = Limits(memory_mb=256, cpu_s=5, file_size_mb=8, max_procs=16, output_kb=64)
@@ -234,6 +238,38 @@ def docker_paused(n: int, kw: dict[str, Any]) -> dict[str, Any]:
             b.close()
 
 
+# -- hardening ------------------------------------------------------------------------------------------------
+def hardening() -> dict[str, Any]:
+    """What the bwrap sandbox enforces on this machine."""
+    with make_sandbox("bwrap") as sb:
+        status = sb.exec("grep -E '^(CapEff|NoNewPrivs|Seccomp):' /proc/self/status; id -u").stdout.split()
+    return {
+        "enforced": dict(sb.enforced),
+        "bwrap_version": ".".join(map(str, bwrap_version())),
+        "host_root": os.geteuid() == 0,
+        "bwrap_as_nobody": os.geteuid() == 0 and unprivileged_userns(),
+        "inside": {k.rstrip(":"): v for k, v in zip(status[0:-1:2], status[1:-1:2], strict=False)}
+        | {"uid": status[-1]},
+    }
+
+
+def before_hardening(previous: Path) -> dict[str, Any] | None:
+    """The bwrap figures of the last results file written before the hardening (kept from run to run)."""
+    try:
+        old = json.loads(previous.read_text())
+    except (OSError, ValueError):
+        return None
+    if "before_hardening" in old:
+        return old["before_hardening"]
+    if "hardening" in old or "bwrap" not in old.get("exec_latency_ms", {}):
+        return None
+    return {
+        "quick": old.get("quick"),
+        "exec_latency_ms": old["exec_latency_ms"]["bwrap"],
+        "first_call_ms": {k: old["first_call_ms"]["bwrap"][k] for k in ("cold", "warm_pool")},
+    }
+
+
 # -- main -----------------------------------------------------------------------------------------------------
 def docker_kwargs(url: str | None) -> tuple[dict[str, Any] | None, PrivateDockerd | None]:
     """Keyword arguments for docker sandboxes: a given engine, the default one, or a private one started here."""
@@ -301,7 +337,8 @@ def main() -> None:
         kinds["docker"] = dkw
     res: dict[str, Any] = {
         "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_1m": os.getloadavg()[0]},
+        "hardening": hardening(),
     }
     try:
         res["exec_latency_ms"] = {k: exec_latency(k, n_exec, kw) for k, kw in kinds.items()}
@@ -333,6 +370,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    res["before_hardening"] = before_hardening(out / "sandbox.json")
     (out / "sandbox.json").write_text(json.dumps(res, indent=2) + "\n")
     plot(res, out / "sandbox.png")
     print(f"wrote {out / 'sandbox.json'} and {out / 'sandbox.png'}")
