@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 DEV=0
 [[ "${1:-}" == "--dev" ]] && DEV=1
 
-APT_PACKAGES=(bubblewrap)
+# bubblewrap: the default sandbox; libseccomp2: the library its seccomp filter is compiled with (pyseccomp binds it).
+APT_PACKAGES=(bubblewrap libseccomp2)
 # --dev: the docker sandbox's tests start a private engine (dockerd, containerd, runc) from Debian's docker.io.
 ((DEV)) && APT_PACKAGES+=(docker.io)
 # --dev: browser and desktop env tests drive the system Chromium (Playwright; its headless shell when installed)
