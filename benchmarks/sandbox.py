@@ -15,6 +15,7 @@ Writes ``benchmarks/results/sandbox.json`` and ``.png``:
 
     .venv/bin/python benchmarks/sandbox.py            # full: 1000 paused episodes
     .venv/bin/python benchmarks/sandbox.py --quick    # CI: < 60 s
+    .venv/bin/python benchmarks/sandbox.py --against REV  # also bwrap exec side by side with an older commit
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sandbox_ab import side_by_side  # noqa: E402  (this directory is on sys.path)
 
 from envs.sandbox import Limits, SandboxPool, bwrap_works, docker_works, make_sandbox  # noqa: E402
 from envs.sandbox.bwrap import bwrap_version, unprivileged_userns  # noqa: E402
@@ -318,12 +321,24 @@ def plot(res: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def targets(res: dict[str, Any]) -> dict[str, bool]:
+    first = res["first_call_ms"]["bwrap"]
+    return {
+        "bwrap_exec_p50_le_60ms": res["exec_latency_ms"]["bwrap"]["p50"] <= 60,
+        "bwrap_warm_pool_first_call_le_10ms": first["warm_pool"]["p50"] <= 10,
+        "bwrap_warm_pool_startup_overhead_le_10ms": first["startup_overhead_ms"]["warm_pool_p50"] <= 10,
+        "paused_episodes_ge_1000": res["paused_episodes"]["episodes"] >= 1000
+        and res["paused_episodes"]["sleeps_running"] >= 1000,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer samples and episodes (CI, < 60 s)")
     ap.add_argument("--episodes", type=int, default=None, help="paused episodes (default 1000; --quick 100)")
     ap.add_argument("--docker-host", default=None, help="engine URL (default: $DOCKER_HOST, else a private dockerd)")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--against", default=None, help="also time bwrap exec side by side with this older commit")
     args = ap.parse_args()
     if not bwrap_works():
         sys.exit("benchmarks/sandbox.py needs bubblewrap: apt-get install bubblewrap")
@@ -358,16 +373,10 @@ def main() -> None:
     finally:
         if eng is not None:
             eng.stop()
-    res["targets"] = {
-        "bwrap_exec_p50_le_60ms": res["exec_latency_ms"]["bwrap"]["p50"] <= 60,
-        "bwrap_warm_pool_first_call_le_10ms": res["first_call_ms"]["bwrap"]["warm_pool"]["p50"] <= 10,
-        "bwrap_warm_pool_startup_overhead_le_10ms": res["first_call_ms"]["bwrap"]["startup_overhead_ms"][
-            "warm_pool_p50"
-        ]
-        <= 10,
-        "paused_episodes_ge_1000": res["paused_episodes"]["episodes"] >= 1000
-        and res["paused_episodes"]["sleeps_running"] >= 1000,
-    }
+    if args.against:
+        res["side_by_side"] = side_by_side(args.against, rounds=3 if args.quick else 8)
+        print("side by side:", json.dumps(res["side_by_side"]))
+    res["targets"] = targets(res)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res["before_hardening"] = before_hardening(out / "sandbox.json")
