@@ -1,5 +1,10 @@
 """Sandboxes that run commands with limits: ``bwrap`` (default, isolated), ``docker`` (one container per sandbox)
-and ``process`` (fallback, not isolated); :class:`SandboxPool` keeps sandboxes started ahead of use."""
+and ``process`` (fallback, not isolated); :class:`SandboxPool` keeps sandboxes started ahead of use.
+
+``bwrap`` and ``docker`` make the same promises, whether the host runs as root or not: no privilege inside (an
+unprivileged uid, no capabilities, the :mod:`envs.sandbox.seccomp` filter), a minimal read-only view, no network, and
+caps on the whole sandbox's memory, processes, ``/tmp`` and workdir (see :class:`Limits` and each kind's module).
+"""
 
 from __future__ import annotations
 
