@@ -4,6 +4,7 @@ import asyncio
 import os
 import socket
 import subprocess
+import sys
 import time
 
 import dockerd
@@ -133,6 +134,25 @@ def test_nothing_left_after_close():
         sandbox.exec("true")
 
 
+def test_mounts_of_a_dead_process_are_swept():
+    """A process that dies with its sandboxes open leaves their tmpfs mounts; the next process sweeps them."""
+    require(bwrap_works(), "bubblewrap (bwrap)")
+    from envs.sandbox import mounts
+
+    code = (
+        "import os; from envs.sandbox import BwrapSandbox; b = BwrapSandbox(); print(b._root, flush=True); os._exit(0)"
+    )
+    root = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    with open("/proc/self/mountinfo") as f:
+        leaked = root in f.read()
+    if not leaked:
+        pytest.skip("no sized mounts here (not root)")
+    assert mounts.sweep_leftovers.__wrapped__() >= 2
+    with open("/proc/self/mountinfo") as f:
+        assert root not in f.read()
+    assert not os.path.exists(root)
+
+
 def test_process_sandbox_basics_and_leftovers():
     with ProcessSandbox() as sandbox:
         r = sandbox.exec("pwd; echo $HOME")
@@ -202,7 +222,7 @@ def test_pool_hands_out_ready_sandboxes_and_wipes_them(kind):
         start = time.monotonic()
         box = pool.acquire()
         assert time.monotonic() - start < 0.01, "a warm sandbox is handed out at once"
-        box.exec("echo secret > f; sleep 105 >/dev/null 2>&1 &")
+        box.exec("echo secret > f; echo secret > /tmp/t; echo secret > /dev/shm/s; sleep 105 >/dev/null 2>&1 &")
         pool.release(box)
         with pytest.raises(SandboxError, match="not acquired"):
             pool.release(box)
@@ -211,6 +231,7 @@ def test_pool_hands_out_ready_sandboxes_and_wipes_them(kind):
         assert pool.cold_starts == 1
         for b in boxes:
             assert b.exec("ls -A").stdout == "", "a recycled sandbox starts with an empty workdir"
+            assert b.exec("cat /tmp/t /dev/shm/s").stdout == "", "and empty scratch space"
         assert _pgrep("sleep 105") == ""
         for b in boxes[:2]:
             pool.release(b)

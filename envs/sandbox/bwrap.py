@@ -175,6 +175,7 @@ class BwrapSandbox(LocalSandbox):
 
     # -- host side ---------------------------------------------------------------------------------------------
     def _prepare_host(self) -> None:
+        mounts.sweep_leftovers()
         root, uid = self._root, self._host_uid
         self._etc = sandbox_etc()
         self._work, self._scratch = os.path.join(root, "work"), os.path.join(root, "scratch")

@@ -77,7 +77,7 @@ class LocalSandbox:
 
     def __init__(self, limits: Limits | None = None, env: dict[str, str] | None = None, use_cgroup: bool = True):
         self.limits = limits or Limits()
-        self._root = tempfile.mkdtemp(prefix="agentflow-sbx-")
+        self._root = tempfile.mkdtemp(prefix=f"agentflow-sbx-{os.getpid()}-")  # the pid: see mounts.sweep_leftovers
         self.host_workdir = self._root
         self._mounted: list[str] = []
         lim = self.limits

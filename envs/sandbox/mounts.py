@@ -2,16 +2,21 @@
 
 Mounting needs ``CAP_SYS_ADMIN`` (the host runs as root, as CI does); :func:`mount_tmpfs` returns False where the
 machine refuses, and the caller then keeps a plain directory and reports the cap as not enforced. The mounts are
-made with ``mount(2)`` directly (no process start) and removed with a lazy unmount on close. A tmpfs's pages are
+made with ``mount(2)`` directly (no process start) and removed with a lazy unmount on close; those of a process that
+died without closing its sandboxes (their directory names carry its pid) are removed by the next process's first
+sandbox (:func:`sweep_leftovers`). A tmpfs's pages are
 charged to the memory cgroup of the process that writes them, so a sandbox's files also count toward its memory cap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import os
+import re
+import shutil
 
 _MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 0x2, 0x4, 0x20
 _MNT_DETACH = 0x2
@@ -55,3 +60,36 @@ def full(path: str, slack_kb: int = 64) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize <= slack_kb * 1024
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@functools.cache
+def sweep_leftovers(prefix: str = "agentflow-sbx-") -> int:
+    """Unmount and delete the sandbox mounts left by dead processes (``/tmp/PREFIX<pid>-...``); once per process.
+
+    Returns how many mounts were removed. A pid that was reused since looks alive: its leftovers stay (safe).
+    """
+    pattern = re.compile(rf"^(/.*/{re.escape(prefix)}(\d+)-[^/]+)/[^/]+$")
+    found: dict[str, int] = {}
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            match = pattern.match(fields[4]) if len(fields) > 4 else None
+            if match and " - tmpfs " in line and int(match.group(2)) != os.getpid():
+                found[fields[4]] = int(match.group(2))
+    removed = 0
+    for path, pid in found.items():
+        if not _alive(pid):
+            unmount(path)
+            removed += 1
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    return removed
