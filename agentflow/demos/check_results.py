@@ -87,8 +87,9 @@ def run_result(name: str, runs: Path, quick: bool = False) -> Path:
     return run_dir
 
 
-QUICK = ["sft.episodes=400", "sft.max_epochs=4", "run.steps=40", "eval.episodes=100"]
-"""The reduced RL run: a short warm-up and 40 RL steps, 100 held-out episodes."""
+QUICK = ["sft.episodes=1000", "sft.max_epochs=5", "run.steps=40", "eval.episodes=100"]
+"""The reduced RL run: a warm-up just long enough to leave the loss plateau (about 150 steps of 32; 50 stay on it
+near 1.1 and succeed on nothing), 40 RL steps, 100 held-out episodes."""
 
 
 def figures(name: str, run_dir: Path) -> dict[str, float]:
@@ -187,10 +188,11 @@ def report(runs: dict[str, Path], out: Path, quick: bool) -> bool:
 
 
 def quick_direction(runs: dict[str, Path]) -> dict[str, Any]:
-    """The reduced run's direction: the warm-up learned the format, and RL did not make the policy worse."""
+    """The reduced run's direction: the warm-up learned the format, and RL did not make the policy worse (by more
+    than about two standard errors of 100 episodes: 40 asynchronous steps are not reproducible to the episode)."""
     f = figures("rl-seed0", runs["rl-seed0"])
     rows = [{"claim": "the warm-up succeeds on some held-out tasks", "holds": f["before"] > 0.05},
-            {"claim": "RL does not lose more than 0.05", "holds": f["after"] >= f["before"] - 0.05}]  # fmt: skip
+            {"claim": "RL does not lose more than 0.10", "holds": f["after"] >= f["before"] - 0.10}]  # fmt: skip
     return {"ok": all(r["holds"] for r in rows), "rows": [{**r, **f} for r in rows]}
 
 
