@@ -27,12 +27,14 @@ import json, sys, time
 from envs.sandbox import make_sandbox
 with make_sandbox("bwrap") as sb:
     sb.exec(["true"])
-    times = []
+    times, failed = [], []
     for _ in range(int(sys.argv[1])):
         t = time.perf_counter()
-        assert sb.exec(["true"]).ok
+        r = sb.exec(["true"])
         times.append(time.perf_counter() - t)
-print(json.dumps(times))
+        if not r.ok:
+            failed.append(f"{r.exit_code}: {r.stderr[-200:]}")
+print(json.dumps({"times": times, "failed": failed}))
 """
 
 
@@ -46,12 +48,15 @@ def _export(rev: str, dest: str) -> None:
             tar.extractall(dest, filter="data")
 
 
-def _times(path: str, n: int) -> list[float]:
+def _times(path: str, n: int, failed: list[str]) -> list[float]:
+    """``n`` exec times under ``path``'s sandbox; the failed execs' codes and errors are added to ``failed``."""
     env = {**os.environ, "PYTHONPATH": path}
     out = subprocess.run([sys.executable, "-c", _TIMER, str(n)], capture_output=True, text=True, env=env, cwd=path)
     if out.returncode != 0:
         raise RuntimeError(f"the timer failed under {path}: {out.stderr[-2000:]}")
-    return [float(t) for t in json.loads(out.stdout)]
+    got = json.loads(out.stdout)
+    failed.extend(got["failed"])
+    return [float(t) for t in got["times"]]
 
 
 def side_by_side(rev: str, rounds: int = 6, n: int = 40) -> dict[str, Any]:
@@ -59,8 +64,10 @@ def side_by_side(rev: str, rounds: int = 6, n: int = 40) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="af-sbx-ab-") as old:
         _export(rev, old)
         per_round, old_all, new_all = [], [], []
+        old_failed: list[str] = []
+        new_failed: list[str] = []
         for _ in range(rounds):
-            a, b = _times(old, n), _times(str(REPO), n)
+            a, b = _times(old, n, old_failed), _times(str(REPO), n, new_failed)
             old_all += a
             new_all += b
             per_round.append(statistics.median(b) / statistics.median(a))
@@ -73,6 +80,8 @@ def side_by_side(rev: str, rounds: int = 6, n: int = 40) -> dict[str, Any]:
         "old_min_ms": round(min(old_all) * 1000, 2),
         "new_min_ms": round(min(new_all) * 1000, 2),
         "ratio_median": round(statistics.median(per_round), 3),
+        "old_failed": old_failed[:5],
+        "new_failed": new_failed[:5],
         "load_1m": round(os.getloadavg()[0], 1),
     }
 
