@@ -190,5 +190,18 @@ ATTEMPTS = (
 )  # fmt: skip
 ROOT_CAN = ATTEMPTS
 """What root outside any sandbox can do: all of it."""
-USER_CAN = ("host_environ", "proc_mem_write", "read_host_files", "write_host_file", "loopback_tcp", "loopback_dns")
-"""What an unprivileged user outside can do on any machine: its own processes and files, the loopback services."""
+
+
+def _yama_allows_ptrace() -> bool:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip() == "0"
+    except OSError:
+        return True  # no Yama: same-uid processes may open each other's memory
+
+
+USER_CAN = ("host_environ", "read_host_files", "write_host_file", "loopback_tcp", "loopback_dns") + (
+    ("proc_mem_write",) if _yama_allows_ptrace() else ()
+)
+"""What an unprivileged user outside can do: its own processes (their memory unless Yama forbids it), files anyone
+may read, the loopback services."""

@@ -267,6 +267,10 @@ class HostTargets:
         self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.udp.bind(("127.0.0.1", 0))
         self.write_dir = write_dir
+        self.read_dir = tempfile.mkdtemp(prefix="af-sec-read-", dir="/var/tmp")  # anyone on the host may read it
+        os.chmod(self.read_dir, 0o755)
+        Path(self.read_dir, "host-file").write_text("host data\n")
+        os.chmod(Path(self.read_dir, "host-file"), 0o644)
         self.received: list[str] = []
         for target in (self._serve_tcp, self._serve_udp):
             threading.Thread(target=target, daemon=True).start()
@@ -291,8 +295,14 @@ class HostTargets:
                 return
 
     def args(self, **over: Any) -> dict[str, Any]:
-        files = ["/etc/shadow", str(REPO / "pyproject.toml"), str(Path(__file__).resolve())]
-        base = dict(secret=self.secret, helper_pid=self.helper.pid, files=files, dirs=["/root", str(REPO)])
+        files = [
+            "/etc/shadow",
+            str(REPO / "pyproject.toml"),
+            str(Path(__file__).resolve()),
+            f"{self.read_dir}/host-file",
+        ]
+        dirs = ["/root", str(REPO), self.read_dir]
+        base = dict(secret=self.secret, helper_pid=self.helper.pid, files=files, dirs=dirs)
         base.update(write_dir=self.write_dir, tcp_port=self.tcp.getsockname()[1], udp_port=self.udp.getsockname()[1])
         return {**base, **over}
 
@@ -302,6 +312,7 @@ class HostTargets:
     def close(self) -> None:
         self.helper.kill()
         self.helper.wait()
+        shutil.rmtree(self.read_dir, ignore_errors=True)
         for s in (self.tcp, self.udp):
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
