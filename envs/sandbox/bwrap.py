@@ -7,11 +7,11 @@ What a command inside gets, whether the host runs as root or not:
   :mod:`envs.sandbox.seccomp` filter (no mount, ``setns``/``unshare``, ``ptrace``, key-ring, ``bpf``...). As root
   the host drops to ``nobody`` (uid 65534) before ``bwrap`` starts, so the sandbox's processes are ``nobody`` on the
   host too; elsewhere they are the calling user.
-- **A minimal filesystem view**, read-only: ``/usr`` with the ``/bin``, ``/lib*`` and ``/sbin`` links, a few pieces
-  of ``/etc`` (the loader cache, alternatives, zone and name-service files; a generated ``passwd`` and ``group``),
-  its own ``/proc`` (of its own pid namespace; it cannot be unmounted) and a minimal ``/dev``. No ``/root``,
-  ``/home``, ``/etc/shadow``, checkout or run directory. Writable: the workdir ``/tmp/sandbox`` (a host directory,
-  deleted on close), and ``/tmp`` and ``/dev/shm`` (the sandbox's scratch space; they last until reset or close).
+- **A minimal filesystem view**, read-only: ``/usr`` with the ``/bin``, ``/lib*`` and ``/sbin`` links, an
+  allow-listed copy of ``/etc`` (:mod:`envs.sandbox.etc`), its own ``/proc`` (of its own pid namespace; it cannot be
+  unmounted) and a minimal ``/dev``. No ``/root``, ``/home``, ``/etc/shadow``, checkout or run directory. Writable:
+  the workdir ``/tmp/sandbox`` (a host directory, deleted on close), and ``/tmp`` and ``/dev/shm`` (the sandbox's
+  scratch space; they last until reset or close).
 - **No network** (an empty network namespace: the host's loopback services and DNS are unreachable), its own pid,
   IPC, UTS and cgroup namespaces.
 - **Caps** (:class:`~envs.sandbox.base.Limits`): the workdir and the scratch space are tmpfs mounts of
@@ -19,11 +19,11 @@ What a command inside gets, whether the host runs as root or not:
   pids cgroup their number (where the machine allows), and every process has the address-space, CPU-time and
   file-size rlimits.
 
-As root each command runs in a pid namespace made by util-linux ``unshare --pid --fork --kill-child --mount-proc``
-(bwrap's own leaves one zombie per exec where pid 1 never reaps), whose ``/proc`` bwrap binds; killing it kills
-everything inside. Where the kernel refuses user namespaces to ``nobody``, bwrap runs as root and makes the user
-namespace itself (the sandbox's uid then maps to host root, still without any capability): see
-:func:`unprivileged_userns`.
+As root each command runs in a pid namespace made by util-linux ``unshare --pid --fork --mount-proc`` (bwrap's own
+leaves one zombie per exec where pid 1 never reaps), whose ``/proc`` bwrap binds read-only; the exec's process group
+and cgroup are killed when it ends, and everything in the namespace dies with its first process. Where the kernel
+refuses user namespaces to ``nobody``, bwrap runs as root and makes the user namespace itself (the sandbox's uid then
+maps to host root, still without any capability): see :func:`unprivileged_userns`.
 """
 
 from __future__ import annotations
