@@ -141,6 +141,7 @@ def test_short_blackbox_rl_job(tiny_model, tmp_path):
     )  # fmt: skip
     summary = run_job(cfg, log=lambda *_: None)
     assert summary["rl_steps"] == 2 and summary["trajectories_trained"] == 2 * 2 * 2
+    assert summary["eval_errors"] == {"before": 0, "after": 0}  # the held-out episodes reach the proxy too
     for key in ("success_before_rl", "success_after_rl", "per_type_after_rl", "eval_episodes", "mean_staleness"):
         assert key in summary
     trajs = Journal.read(tmp_path / "run" / "journal.jsonl")

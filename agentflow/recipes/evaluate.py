@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,12 @@ from envs.tasks import DataSource
 
 
 def eval_spec(src: DataSource, seed: int) -> EpisodeSpec:
-    """Episode ``seed`` of a data source's held-out (eval) split."""
+    """Episode ``seed`` of a data source's held-out (eval) split. Its id is URL- and path-safe (a source's default
+    name, ``ENV_ID:TASK_SET``, holds a slash, and black-box agents reach the proxy at ``/{trajectory id}/...``)."""
+    tid = f"eval-{re.sub(r'[^A-Za-z0-9._-]', '_', src.name)}-{seed}"
     return EpisodeSpec(
-        f"eval-{src.name}-{seed}",
-        f"eval-{src.name}-{seed}",
+        tid,
+        tid,
         seed,
         "eval",
         data_source=src.name,
