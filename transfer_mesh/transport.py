@@ -202,6 +202,14 @@ class TransportBase(ABC):
         self.close()
 
 
+def choose_protocol(configured: str, engines: Sequence[Any]) -> str:
+    """``configured``, or for ``auto``: TransferMesh buckets when every engine's servers announce them, else the
+    plain SGLang update endpoints."""
+    if configured != "auto":
+        return configured
+    return "transfer_mesh" if all(e.speaks_transfer_mesh() for e in engines) else "sglang"
+
+
 def _module(kind: str) -> Any:
     if not kind.replace("_", "").isalnum():
         raise ValueError(f"bad transport type {kind!r}")

@@ -32,7 +32,14 @@ from torch import Tensor
 
 from transfer_mesh.buckets import IntegrityError
 from transfer_mesh.plan import DTYPES, TransferPlan
-from transfer_mesh.transport import TransportBase, TransportConfig, UpdateReport, VersionRefused, WeightSyncError
+from transfer_mesh.transport import (
+    TransportBase,
+    TransportConfig,
+    UpdateReport,
+    VersionRefused,
+    WeightSyncError,
+    choose_protocol,
+)
 
 MAGIC = 0x544D4553  # "TMES"
 END = -1
@@ -221,8 +228,7 @@ class GlooTransport(TransportBase):
     def protocol(self) -> str:
         """The protocol in use: the configured one, or for ``auto`` what every engine's servers speak."""
         if self._protocol is None:
-            auto = all(e.speaks_transfer_mesh() for e in self.engines)
-            self._protocol = self.cfg.protocol if self.cfg.protocol != "auto" else "transfer_mesh" if auto else "sglang"
+            self._protocol = choose_protocol(self.cfg.protocol, self.engines)
         return self._protocol
 
     @property

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from transfer_mesh.transport import TransportBase, TransportConfig, UpdateReport, VersionRefused
+from transfer_mesh.transport import TransportBase, TransportConfig, UpdateReport, VersionRefused, choose_protocol
 
 
 class HttpConfig(TransportConfig):
@@ -41,8 +41,7 @@ class HttpTransport(TransportBase):
     def protocol(self) -> str:
         """The protocol in use: the configured one, or for ``auto`` what every engine's servers speak."""
         if self._protocol is None:
-            auto = all(e.speaks_transfer_mesh() for e in self.engines)
-            self._protocol = self.cfg.protocol if self.cfg.protocol != "auto" else "transfer_mesh" if auto else "sglang"
+            self._protocol = choose_protocol(self.cfg.protocol, self.engines)
         return self._protocol
 
     def send(self, version: int, named: Mapping[str, Tensor]) -> UpdateReport:
