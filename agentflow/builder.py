@@ -163,14 +163,13 @@ def write_processes(job: Job) -> None:
 
 
 async def _trainer_engine_pool(
-    cfg: JobConfig, policy_dir: Path, run_dir: Path, stack: AsyncExitStack
+    cfg: JobConfig, policy_dir: Path, run_dir: Path, first: DataSource, stack: AsyncExitStack
 ) -> tuple[TrainerGroup, InferenceEngine, EnvProvider, RayRuntime | None]:
     """Trainer group, engine and env pool: local processes, or Ray actors (``ray.enabled``) and their runtime."""
     from agentflow.engine.factory import make_engine
     from trainer.launcher import make_trainer_group
 
     settings = trainer_settings(cfg)
-    first = data_mixture(cfg).sources[0]
     trainer: TrainerGroup
     engine: InferenceEngine
     pool: EnvProvider
@@ -215,8 +214,9 @@ async def build_job(
     from transfer_mesh.transport import make_transport
 
     use_daemon_threads()  # a hung tool call must not hold the job's exit
+    mixture = data_mixture(cfg)
     async with AsyncExitStack() as stack:
-        trainer, engine, pool, runtime = await _trainer_engine_pool(cfg, policy_dir, run_dir, stack)
+        trainer, engine, pool, runtime = await _trainer_engine_pool(cfg, policy_dir, run_dir, mixture.sources[0], stack)
         transport = make_transport(cfg.transfer, [engine])
         stack.callback(transport.close)
         if cfg.engine.type == "sglang":  # servers keep what they last served: the job's version 0 goes first
@@ -237,7 +237,7 @@ async def build_job(
                             timeouts)  # fmt: skip
         metrics = MetricsLogger(run_dir, cfg.run.progress)
         stack.callback(metrics.close)
-        job = Job(cfg, run_dir, policy_dir, trainer, engine, transport, pool, data_mixture(cfg), store, agent,
+        job = Job(cfg, run_dir, policy_dir, trainer, engine, transport, pool, mixture, store, agent,
                   rollouts, metrics, BusyTracker(), runtime=runtime)  # fmt: skip
         if cfg.trainer.kl_coef > 0:
             job.reference = reference_engine(cfg, policy_dir)
