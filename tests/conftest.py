@@ -54,3 +54,30 @@ def sglang_server(tmp_path_factory):
     server = start_server(tmp_path_factory.mktemp("sglang"))
     yield server
     server.close()
+
+
+# Envs that need more than bubblewrap: their marker and the components to require.
+ENV_NEEDS = {
+    "agentflow/Browser-v0": (pytest.mark.browser, ("chromium",), "playwright"),
+    "agentflow/Desktop-v0": (pytest.mark.desktop, ("Xvfb",), "Xlib"),
+}
+
+
+def env_param(env_id: str):
+    """``env_id`` as a pytest parameter carrying its component marker."""
+    need = ENV_NEEDS.get(env_id)
+    return pytest.param(env_id, marks=need[0]) if need else env_id
+
+
+def require_env(env_id: str) -> None:
+    """Skip, or fail in CI, when the components ``env_id`` runs on are missing."""
+    import importlib.util
+    import shutil
+
+    from envs.sandbox import bwrap_works
+
+    require(bwrap_works(), "bubblewrap (bwrap)")
+    if env_id in ENV_NEEDS:
+        _, programs, module = ENV_NEEDS[env_id]
+        found = all(shutil.which(p) for p in programs) and importlib.util.find_spec(module) is not None
+        require(found, f"{', '.join(programs)} and the {module} package for {env_id}")

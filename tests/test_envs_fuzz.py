@@ -11,12 +11,11 @@ import importlib.util
 import io
 import os
 import random
-import shutil
 import time
 
 import gymnasium
 import pytest
-from conftest import require
+from conftest import env_param, require_env
 from gymnasium import spaces
 
 import envs
@@ -24,29 +23,15 @@ from agentflow.cli import main
 from envs import registry
 from envs.console import check
 from envs.fuzz import MAKERS, fuzz_env, malformed_actions
-from envs.sandbox import bwrap_works
 from envs.tools import ToolEnv, tool
 
 SEED = int(os.environ.get("AGENTFLOW_FUZZ_SEED", random.SystemRandom().randrange(2**31)))
 FUZZ_N = 200
-_NEEDS = {
-    "agentflow/Browser-v0": (pytest.mark.browser, ("chromium",), "playwright"),
-    "agentflow/Desktop-v0": (pytest.mark.desktop, ("Xvfb",), "Xlib"),
-}
 
 
-def _param(env_id: str):
-    need = _NEEDS.get(env_id)
-    return pytest.param(env_id, marks=need[0]) if need else env_id
-
-
-@pytest.mark.parametrize("env_id", [_param(e) for e in envs.list_envs() if e.startswith("agentflow/")])
+@pytest.mark.parametrize("env_id", [env_param(e) for e in envs.list_envs() if e.startswith("agentflow/")])
 def test_every_registered_env_answers_every_malformed_action(env_id):
-    require(bwrap_works(), "bubblewrap (bwrap)")
-    if env_id in _NEEDS:
-        _, programs, module = _NEEDS[env_id]
-        found = all(shutil.which(p) for p in programs) and importlib.util.find_spec(module) is not None
-        require(found, f"{', '.join(programs)} and the {module} package for {env_id}")
+    require_env(env_id)
     out = io.StringIO()
     t0 = time.perf_counter()
     check(env_id, out=out, fuzz=FUZZ_N, fuzz_seed=SEED)  # raises EnvCheckError with the seed and the replay line

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import shutil
 
 import gymnasium
 import pytest
-from conftest import require
+from conftest import env_param, require_env
 from gymnasium import spaces
 
 import envs
@@ -16,7 +14,6 @@ from envs.checker import check_agent_env
 from envs.core import answer_action, tool_action
 from envs.errors import EnvError
 from envs.gym_adapter import GymTextEnv
-from envs.sandbox import bwrap_works
 
 
 class GuessEnv(gymnasium.Env):
@@ -63,24 +60,9 @@ def test_gymnasium_knows_every_id_with_the_same_entry_point(env_id):
     assert theirs.kwargs.get("max_turns") == ours.max_turns
 
 
-_NEEDS = {
-    "agentflow/Browser-v0": (pytest.mark.browser, ("chromium",), "playwright"),
-    "agentflow/Desktop-v0": (pytest.mark.desktop, ("Xvfb",), "Xlib"),
-}
-
-
-def _param(env_id: str):
-    need = _NEEDS.get(env_id)
-    return pytest.param(env_id, marks=need[0]) if need else env_id
-
-
-@pytest.mark.parametrize("env_id", [_param(e) for e in _agentflow_ids()])
+@pytest.mark.parametrize("env_id", [env_param(e) for e in _agentflow_ids()])
 def test_gymnasium_make_builds_every_agentflow_env(env_id):
-    require(bwrap_works(), "bubblewrap (bwrap)")
-    if env_id in _NEEDS:
-        _, programs, module = _NEEDS[env_id]
-        found = all(shutil.which(p) for p in programs) and importlib.util.find_spec(module) is not None
-        require(found, f"{', '.join(programs)} and the {module} package for {env_id}")
+    require_env(env_id)
     env = gymnasium.make(env_id)
     try:
         assert env.unwrapped.max_turns == envs.spec(env_id).max_turns

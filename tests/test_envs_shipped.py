@@ -4,11 +4,10 @@ import asyncio
 import importlib
 import importlib.util
 import json
-import shutil
 from dataclasses import replace
 
 import pytest
-from conftest import require
+from conftest import env_param, require, require_env
 
 import envs
 from envs.checker import check_agent_env
@@ -196,25 +195,9 @@ def test_retrieval_numeric_answers_and_task_sets():
         env.close()
 
 
-# Envs that need more than bubblewrap: their marker and the components to require.
-_NEEDS = {
-    "agentflow/Browser-v0": (pytest.mark.browser, ("chromium",), "playwright"),
-    "agentflow/Desktop-v0": (pytest.mark.desktop, ("Xvfb",), "Xlib"),
-}
-
-
-def _env_param(env_id: str):
-    need = _NEEDS.get(env_id)
-    return pytest.param(env_id, marks=need[0]) if need else env_id
-
-
-@pytest.mark.parametrize("env_id", [_env_param(e) for e in envs.list_envs() if e.startswith("agentflow/")])
+@pytest.mark.parametrize("env_id", [env_param(e) for e in envs.list_envs() if e.startswith("agentflow/")])
 def test_every_registered_env_passes_check_env(env_id):
-    require(bwrap_works(), "bubblewrap (bwrap)")
-    if env_id in _NEEDS:
-        _, programs, module = _NEEDS[env_id]
-        found = all(shutil.which(p) for p in programs) and importlib.util.find_spec(module) is not None
-        require(found, f"{', '.join(programs)} and the {module} package for {env_id}")
+    require_env(env_id)
     env = envs.make(env_id)
     try:
         check_agent_env(env)
