@@ -16,11 +16,15 @@ in ``<tool_response>`` tags (one message per result so the prefix property holds
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentflow.structured import Grammars
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -162,10 +166,49 @@ class ChatTokenizer:
         self.im_end_id: int = ids[IM_END]
         self.eos_id: int = ids[EOS]
         self.stop_ids: tuple[int, ...] = (self.im_end_id, self.eos_id)
+        self.call_ids: tuple[int, int] = (ids[TOOL_CALL_OPEN], ids[TOOL_CALL_CLOSE])
+
+    def parse_reply_ids(self, ids: list[int]) -> AssistantReply:
+        """:func:`parse_reply` on token ids: tool calls are what lies between the ``<tool_call>`` and
+        ``</tool_call>`` special tokens, so a JSON string that spells out ``</tool_call>`` stays inside its call."""
+        ids = list(ids)
+        while ids and ids[-1] in self.stop_ids:
+            ids.pop()
+        opening, closing = self.call_ids
+        if opening not in ids and closing not in ids:
+            return parse_reply(self.decode(ids))
+        content, calls, i = [], [], 0
+        while i < len(ids):
+            if ids[i] == closing:
+                return AssistantReply(
+                    content=self.decode(ids), error="malformed tool call: unbalanced <tool_call> tags"
+                )
+            if ids[i] != opening:
+                content.append(ids[i])
+                i += 1
+                continue
+            end = ids.index(closing, i) if closing in ids[i:] else -1
+            if end < 0 or opening in ids[i + 1 : end]:
+                return AssistantReply(
+                    content=self.decode(ids), error="malformed tool call: unbalanced <tool_call> tags"
+                )
+            try:
+                calls.append(_parse_call(self.decode(ids[i + 1 : end])))
+            except ToolCallError as e:
+                return AssistantReply(content=self.decode(ids), error=str(e))
+            i = end + 1
+        return AssistantReply(content=self.decode(content).strip(), tool_calls=tuple(calls))
 
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """llguidance over this tokenizer (:mod:`agentflow.structured`), to check request grammars."""
+        from agentflow.structured import Grammars
+
+        return Grammars(self.tok.to_str(), self.vocab_size, list(self.stop_ids))
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

@@ -11,14 +11,16 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agentflow.builder import Job
 from agentflow.config import JobConfig
 from agentflow.resume import ResumeState
-from agentflow.rollout import outcomes, per_type_success
+from agentflow.rollout import first_error, outcomes, per_type_success
 from agentflow.store import TrajectoryStore
-from agentflow.types import Group, InferenceEngine, SamplingParams
+from agentflow.structured import ConstraintMismatch, grammars_for, segment_vocab_masks
+from agentflow.types import Group, InferenceEngine, SamplingParams, Segment
 from trainer.types import Sample, TrainerGroup
 from transfer_mesh.transport import WeightTransport
 
@@ -35,12 +37,20 @@ class LoopResult:
     """Held-out evaluations every ``eval.every_steps`` steps (``{"step": N, ...}``)."""
     recycled: int = 0
     """Generations aborted by a weight update and run again (``rollout.partial: recycle``) in trained groups."""
+    episodes: int = 0
+    """Episodes in the batches taken (every status)."""
+    errors: int = 0
+    """Of those, the ones that ended ``error`` (not scored, not trained)."""
+    first_error: str | None = None
 
     def record(self, steps: int, batch: list[Group], sync_s: float) -> None:
         self.steps = steps
         trajs = [t for g in batch for t in g.trajectories]
         self.trained_ids += [t.id for t in trajs]
         self.recycled += sum(int(t.info.get("recycled", 0)) for t in trajs)
+        self.episodes += len(trajs)
+        self.errors += sum(t.status == "error" for t in trajs)
+        self.first_error = self.first_error or first_error(trajs)
         self.sync_s.append(sync_s)
 
 
@@ -87,7 +97,7 @@ def rollout_sampling(cfg: JobConfig) -> SamplingParams:
 
 async def score_batch(job: Job, batch: list[Group]) -> list[Sample]:
     """Trainable rows of a batch, with reference log-probs (KL term) and teacher log-probs (distillation)."""
-    samples = to_samples(batch, drop_uniform=job.cfg.trainer.drop_uniform_groups)
+    samples = to_samples(batch, drop_uniform=job.cfg.trainer.drop_uniform_groups, model_dir=job.policy_dir)
     if job.reference is not None:  # KL to the initial policy, scored by a never-updated engine
         await asyncio.to_thread(score_reference, job.reference, samples)
     if job.teachers is not None:
@@ -143,25 +153,32 @@ async def sync_weights(trainer: TrainerGroup, transport: WeightTransport) -> tup
     return report.version, out
 
 
-def to_samples(groups: list[Group], drop_uniform: bool = False) -> list[Sample]:
-    """Trainable rows: one per segment of every finished (ok or truncated) trajectory; errors are not scored.
+def to_samples(groups: list[Group], drop_uniform: bool = False, model_dir: str | Path | None = None) -> list[Sample]:
+    """Trainable rows: one per trained segment (``Segment.trained``) of every finished (ok or truncated) trajectory;
+    errors are not scored.
 
     ``drop_uniform`` leaves out groups whose scored trajectories all have the same reward (zero advantage).
+    Tokens sampled under a grammar get the vocabulary masks the trainer restricts its logits with, replayed with the
+    tokenizer of ``model_dir`` (the policy's; required when a segment has constraints).
     """
     out = []
     batch_tokens = 0
     for g in groups:
         scored = [(t, t.reward) for t in g.trajectories if t.status in ("ok", "truncated") and t.reward is not None]
-        batch_tokens += sum(t.num_model_tokens() for t, _ in scored)
+        batch_tokens += sum(sum(s.loss_mask) for t, _ in scored for s in t.segments if s.trained)
         if drop_uniform and len({r for _, r in scored}) <= 1:
             continue
         for t, reward in scored:
-            for i, seg in enumerate(t.segments):
+            trained = [i for i, seg in enumerate(t.segments) if seg.trained]  # black-box side calls are not
+            for i in trained:
+                seg = t.segments[i]
                 sample = Sample(seg.token_ids, seg.loss_mask, seg.logprobs, reward, g.id, f"{t.id}/{i}")
+                if seg.constraints:
+                    sample.vocab_masks = _vocab_masks(seg, model_dir, f"{t.id}/{i}")
                 turns = [turn for turn in t.turns if turn.segment == i]
                 sample.turn_spans = [(turn.span[0], turn.span[1]) for turn in turns]
                 sample.turn_rewards = [turn.reward for turn in turns]
-                if sample.turn_rewards and i == len(t.segments) - 1:
+                if sample.turn_rewards and i == trained[-1]:
                     sample.turn_rewards[-1] = reward  # the episode's reward belongs to its last turn
                 out.append(sample)
     if drop_uniform:  # left-out groups still count in the loss's token average (see Sample.norm_tokens)
@@ -170,6 +187,15 @@ def to_samples(groups: list[Group], drop_uniform: bool = False) -> list[Sample]:
     if not out and not drop_uniform:
         raise RuntimeError(f"no trainable trajectories in a batch of {len(groups)} groups (all errored or aborted)")
     return out
+
+
+def _vocab_masks(seg: Segment, model_dir: str | Path | None, where: str) -> list[tuple[int, bytes]]:
+    if model_dir is None:
+        raise ValueError(f"segment {where} was sampled under a grammar: to_samples needs the policy's model_dir")
+    try:
+        return segment_vocab_masks(seg.token_ids, seg.constraints, grammars_for(str(model_dir)))
+    except ConstraintMismatch as e:  # the engine masked differently: its log-probs cannot be reproduced
+        raise ConstraintMismatch(f"segment {where}: {e}") from None
 
 
 def score_reference(ref_engine: InferenceEngine, samples: list[Sample]) -> None:

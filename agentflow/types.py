@@ -14,7 +14,10 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
 TrajectoryStatus = Literal["ok", "truncated", "aborted", "error"]
-SegmentKind = Literal["root", "compact", "subagent"]
+SegmentKind = Literal["root", "compact", "subagent", "side", "retry"]
+"""``root``: an episode's main context; ``compact``/``subagent``: a new context the agent (or the white-box loop)
+opened on purpose; ``side``: a black-box call that continued no conversation and was not marked; ``retry``: a
+reply the agent asked again for and dropped (docs/architecture.md)."""
 PauseMode = Literal["abort", "retract", "in_place"]
 
 #: Version stamped on tokens the model did not generate (prompt, tool output).
@@ -31,6 +34,13 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends with the token that completes one (it stays in the output ids)."""
+    grammar: str | None = None
+    """A Lark grammar (llguidance) the output must match (:mod:`agentflow.structured`); logits outside it are
+    masked before sampling, and the behaviour log-probs are those of the masked distribution."""
+    top_logprobs: int = 0
+    """Alternatives to return per generated token (``GenerateResult.top_logprobs``), from the same distribution."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -57,6 +67,8 @@ class GenerateResult:
     finish_reason: FinishReason
     prompt_tokens: int
     cached_tokens: int = 0
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """When ``SamplingParams.top_logprobs > 0``: the best ``(id, log-prob)`` alternatives at each output token."""
 
 
 @dataclass
@@ -184,10 +196,16 @@ class Segment:
     """
 
     kind: SegmentKind = "root"
+    trained: bool = True
+    """Whether the trainer sees this segment; black-box ``side`` and ``retry`` segments are recorded but not trained
+    unless ``agent.train_side_calls`` (journals written before this field load as trained)."""
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    constraints: list[tuple[int, int, str]] = field(default_factory=list)
+    """``(start, end, grammar)``: the tokens in ``[start, end)`` were sampled under that Lark grammar; the trainer
+    masks its own logits there by replaying it (:mod:`agentflow.structured`)."""
 
     def append_context(self, ids: list[int]) -> None:
         """Append tokens the model did not generate (prompt or tool output)."""
@@ -277,6 +295,8 @@ class Trajectory:
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
         d = dict(d)
         d["segments"] = [Segment(**s) for s in d.get("segments", [])]
+        for seg in d["segments"]:
+            seg.constraints = [(int(a), int(b), str(g)) for a, b, g in seg.constraints]
         turns = []
         for t in d.get("turns", []):
             t = dict(t)

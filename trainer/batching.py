@@ -14,6 +14,25 @@ from trainer.types import Sample
 
 
 @dataclass
+class VocabMasks:
+    """Restricted positions of a micro-batch: ``rows``/``cols`` index the target-aligned ``[b, s-1]`` grid."""
+
+    rows: torch.Tensor  # [n] long
+    cols: torch.Tensor  # [n] long
+    bits: torch.Tensor  # [n, words] int32
+
+    def allowed(self, lo: int, width: int) -> torch.Tensor:
+        """Bool ``[n, width]``: which of the tokens ``lo .. lo + width - 1`` each position allows (a vocab shard
+        under tensor parallelism; tokens past the mask's words are not allowed)."""
+        bits = (self.bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        flat = bits.flatten(-2).bool()
+        out = torch.zeros(flat.shape[0], width, dtype=torch.bool)
+        part = flat[:, lo : lo + width]
+        out[:, : part.shape[1]] = part
+        return out
+
+
+@dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [b, s] long
     target_mask: torch.Tensor  # [b, s-1] float, 1 where the target token is trained in this phase
@@ -28,6 +47,8 @@ class MicroBatch:
     teacher_logprobs: torch.Tensor | None = None  # [b, s-1], when every sample carries them
     teacher_top_ids: torch.Tensor | None = None  # [b, s-1, k] long, when every sample carries them
     teacher_top_logprobs: torch.Tensor | None = None  # [b, s-1, k]
+    vocab_masks: VocabMasks | None = None
+    """Target positions whose token was drawn from a restricted vocabulary (``Sample.vocab_masks``)."""
 
     def attention_mask(self) -> torch.Tensor:
         """[b, s] ones over each row's real tokens, zeros over right padding."""
@@ -85,6 +106,7 @@ def _collate(samples, rows, advantages, masks, old, pad_id) -> MicroBatch:
             arrays["ref"][r, : n - 1] = _row(x.ref_logprobs, n)
     mask = arrays["mask"]
     teacher = _teacher_arrays([samples[i] for i in rows], s)
+    vocab_masks = collate_vocab_masks([samples[i] for i in rows])
     return MicroBatch(
         input_ids=ids,
         target_mask=mask,
@@ -95,8 +117,26 @@ def _collate(samples, rows, advantages, masks, old, pad_id) -> MicroBatch:
         rows=list(rows),
         old_logprobs=arrays["old"] if old is not None else None,
         ref_logprobs=arrays["ref"] if with_ref else None,
+        vocab_masks=vocab_masks,
         **teacher,
     )
+
+
+def collate_vocab_masks(samples: list[Sample]) -> VocabMasks | None:
+    entries = [(r, pos, bits) for r, x in enumerate(samples) for pos, bits in x.vocab_masks]
+    if not entries:
+        return None
+    for r, pos, _ in entries:
+        if not 1 <= pos < len(samples[r].token_ids):
+            raise ValueError(f"sample {samples[r].sample_id!r}: vocab mask at position {pos} outside the row")
+    words = max(len(b) for _, _, b in entries) // 4
+    bits = torch.zeros(len(entries), words, dtype=torch.int32)
+    for k, (_, _, b) in enumerate(entries):
+        row = torch.frombuffer(bytearray(b), dtype=torch.int32)
+        bits[k, : row.numel()] = row
+    rows = torch.tensor([r for r, _, _ in entries], dtype=torch.long)
+    cols = torch.tensor([pos - 1 for _, pos, _ in entries], dtype=torch.long)  # row t-1 predicts token t
+    return VocabMasks(rows, cols, bits)
 
 
 def _teacher_arrays(samples: list[Sample], s: int) -> dict[str, torch.Tensor]:

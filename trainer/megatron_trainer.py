@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from trainer import registry
-from trainer.batching import MicroBatch, make_micro_batches
+from trainer.batching import MicroBatch, collate_vocab_masks, make_micro_batches
 from trainer.dist import dp_rank_and_size, init_distributed
 from trainer.losses import LossInputs, plan_advantages, policy_loss, sft_loss
 from trainer.model import (
@@ -183,7 +183,9 @@ class MegatronTrainer:
         out: list[list[float]] = [[] for _ in samples]
         zeros = [0.0] * len(samples)
         for mb in make_micro_batches(samples, zeros, self.settings.micro_batch_tokens):
-            logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature)
+            logp = token_logprobs(
+                self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature, mb.vocab_masks
+            )
             for r, i in enumerate(mb.rows):
                 out[i] = [0.0] + logp[r, : int(mb.lengths[r]) - 1].tolist()
         return out
@@ -225,13 +227,17 @@ class MegatronTrainer:
         if topk and (cfg.entropy_coef > 0 or self.settings.temperature != 1.0 or mb.teacher_top_ids is None):
             raise ValueError("the top-k distillation loss needs temperature 1, no entropy bonus and teacher top-k ids")
         if topk:
-            logp, student_top = token_logprobs_at(self.model, mb.input_ids, mb.teacher_top_ids, mb.attention_mask())
+            logp, student_top = token_logprobs_at(
+                self.model, mb.input_ids, mb.teacher_top_ids, mb.attention_mask(), mb.vocab_masks
+            )
         elif cfg.entropy_coef > 0:
             if self.settings.temperature != 1.0:
                 raise ValueError("the entropy bonus is defined at temperature 1; set rollout.temperature=1")
-            logp, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask())
+            logp, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask(), mb.vocab_masks)
         else:
-            logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature)
+            logp = token_logprobs(
+                self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature, mb.vocab_masks
+            )
         if mb.old_logprobs is not None:
             old = mb.old_logprobs
         else:  # one update per batch: old == current (detached); several without recompute: the behaviour policy
@@ -257,11 +263,16 @@ class MegatronTrainer:
         return total / max(count, 1)
 
     @torch.no_grad()
-    def sequence_logprobs(self, token_ids: list[int], temperature: float | None = None) -> list[float]:
-        """Per-token log-probs of one sequence (position t: token t+1), as the RL loss sees them."""
+    def sequence_logprobs(
+        self, token_ids: list[int], temperature: float | None = None, vocab_masks: list[tuple[int, bytes]] = ()
+    ) -> list[float]:
+        """Per-token log-probs of one sequence (position t: token t+1), as the RL loss sees them (restricted where
+        ``vocab_masks``, as in ``Sample.vocab_masks``, says)."""
         ids = torch.tensor([token_ids])
         t = self.settings.temperature if temperature is None else temperature
-        return token_logprobs(self.model, ids, temperature=t).squeeze(0).tolist()
+        masks = collate_vocab_masks([Sample(token_ids, [0] * len(token_ids), [0.0] * len(token_ids),
+                                            vocab_masks=list(vocab_masks))])  # fmt: skip
+        return token_logprobs(self.model, ids, temperature=t, vocab_masks=masks).squeeze(0).tolist()
 
     # -- weights out ---------------------------------------------------------------------------------------------
     def export_weights(self) -> dict[str, torch.Tensor]:

@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors.torch import save_file
 from torch import Tensor
 
+from trainer.batching import VocabMasks
 from trainer.dist import init_distributed_cpu, is_rank_zero, tp_rank_and_size
 from transfer_mesh import hf
 from transfer_mesh.layouts import (
@@ -428,6 +429,24 @@ def _logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | 
     return logits.float()
 
 
+#: Logit given to tokens outside a restricted vocabulary: finite, so a TP shard with no allowed token does not turn
+#: the vocab-parallel max into NaN; exp() of it is exactly 0 in fp32.
+_MASKED_LOGIT = -1e30
+
+
+def restrict(logits: Tensor, vocab_masks: VocabMasks | None) -> Tensor:
+    """``logits [b, s-1, v/tp]`` with disallowed tokens pushed to :data:`_MASKED_LOGIT` at the masked positions
+    (out of place and differentiable; under TP this rank's vocab slice of each mask)."""
+    if vocab_masks is None:
+        return logits
+    rank, size = tp_rank_and_size()
+    width = logits.shape[-1]
+    ok = vocab_masks.allowed(rank * width if size > 1 else 0, width).to(logits.device)
+    rows, cols = vocab_masks.rows.to(logits.device), vocab_masks.cols.to(logits.device)
+    picked = logits[rows, cols].masked_fill(~ok, _MASKED_LOGIT)
+    return logits.index_put((rows, cols), picked)
+
+
 def _mask_targets(values: Tensor, attention_mask: Tensor | None) -> Tensor:
     """Zero the entries whose target token is padding."""
     if attention_mask is None:
@@ -457,15 +476,20 @@ class _GatherLastDim(torch.autograd.Function):
 
 
 def token_logprobs(
-    model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None, temperature: float = 1.0
+    model: GPTModel,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    temperature: float = 1.0,
+    vocab_masks: VocabMasks | None = None,
 ) -> Tensor:
     """``log p(ids[:, t+1] | ids[:, :t+1])`` as fp32 ``[b, s-1]``; zero where the target is right padding.
 
     ``temperature`` divides the logits first, so the result matches the engine's behaviour log-probs of tokens
     sampled at that temperature (after temperature, before top-k/top-p; docs/architecture.md). Differentiable;
-    vocab-parallel under TP (megatron's ``vocab_parallel_cross_entropy``).
+    vocab-parallel under TP (megatron's ``vocab_parallel_cross_entropy``). ``vocab_masks``: positions whose token
+    was drawn from a restricted vocabulary (structured output) get the log-prob of that restricted distribution.
     """
-    logits = _logits(model, input_ids, attention_mask)[:, :-1]
+    logits = restrict(_logits(model, input_ids, attention_mask)[:, :-1], vocab_masks)
     if temperature != 1.0:
         logits = logits / temperature
     targets = input_ids[:, 1:].to(logits.device)
@@ -477,12 +501,16 @@ def token_logprobs(
 
 
 def token_logprobs_at(
-    model: GPTModel, input_ids: Tensor, extra_ids: Tensor, attention_mask: Tensor | None = None
+    model: GPTModel,
+    input_ids: Tensor,
+    extra_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    vocab_masks: VocabMasks | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs (as :func:`token_logprobs`, temperature 1) and the log-probs of ``extra_ids``
     ``[b, s-1, k]`` at each position (the teacher's top-k tokens, for a top-k KL). Vocab shards are gathered
     under TP."""
-    logits = _logits(model, input_ids, attention_mask)[:, :-1]
+    logits = restrict(_logits(model, input_ids, attention_mask)[:, :-1], vocab_masks)
     if tp_rank_and_size()[1] > 1:
         logits = _GatherLastDim.apply(logits)
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -492,13 +520,13 @@ def token_logprobs_at(
 
 
 def token_logprobs_and_entropy(
-    model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None
+    model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None, vocab_masks: VocabMasks | None = None
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs (as :func:`token_logprobs`) and the entropy of each next-token distribution, ``[b, s-1]``.
 
     Under TP the vocab shards are all-gathered (differentiably) before the softmax.
     """
-    logits = _logits(model, input_ids, attention_mask)[:, :-1]
+    logits = restrict(_logits(model, input_ids, attention_mask)[:, :-1], vocab_masks)
     if tp_rank_and_size()[1] > 1:
         logits = _GatherLastDim.apply(logits)
     logp_all = torch.log_softmax(logits, dim=-1)

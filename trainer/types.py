@@ -40,6 +40,10 @@ class Sample:
     turn_rewards: list[float] = field(default_factory=list)
     """Reward of each turn (the last includes the final reward), for turn-level credit."""
     extra: dict[str, Any] = field(default_factory=dict)
+    vocab_masks: list[tuple[int, bytes]] = field(default_factory=list)
+    """Tokens sampled from a restricted vocabulary (structured output): ``(position, bitmask)``, the bitmask as
+    little-endian int32 words (bit ``j`` of word ``i`` allows token ``32 * i + j``). The trainer restricts its
+    logits at those positions the same way, so its log-probs are of the distribution the token was drawn from."""
     norm_tokens: int = 0
     """If > 0: the model-token count the batch's loss is averaged over, when it exceeds the rows' own (the
     controller counts groups it left out for having zero advantage, so a batch with little signal takes a small

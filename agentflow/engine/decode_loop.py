@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from agentflow.engine.output_rules import OutputRules, RequestRules, top_alternatives
 from agentflow.engine.qwen2 import DecoderModel, KVCache
 from agentflow.engine.sampling import sample_batch
 from agentflow.types import FinishReason, GenerateResult, PauseMode, SamplingParams, ScoreResult
@@ -46,6 +47,9 @@ class Request:
     retractions: int = 0
     """Times the request lost its slot to ``pause("retract")`` or a memory release."""
     on_token: OnToken | None = None
+    rules: RequestRules | None = None
+    """Grammar and stop strings (None: plain sampling)."""
+    top: list[list[tuple[int, float]]] | None = None
 
     def result(self, reason: FinishReason) -> GenerateResult:
         return GenerateResult(
@@ -56,6 +60,7 @@ class Request:
             finish_reason=reason,
             prompt_tokens=len(self.prompt),
             cached_tokens=self.cache_hit,
+            top_logprobs=[list(t) for t in self.top] if self.top is not None else None,
         )
 
 
@@ -113,6 +118,7 @@ class DecodeLoop:
     _closed: bool
     _version: int
     _stats: dict[str, float]
+    output_rules: OutputRules
 
     def _has_work(self) -> bool:
         busy = self._paused is None and not self._released and bool(self._waiting or self._running)
@@ -212,22 +218,44 @@ class DecodeLoop:
         self._accept(reqs, logits)
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """Sample one token per request from ``logits``, stamp it, and finish requests that are done."""
-        picks = sample_batch(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
-        for req, (tok, lp) in zip(reqs, picks, strict=True):
+        """Sample one token per request from ``logits`` (masked by grammars), stamp it, and finish requests that
+        are done."""
+        rules = [r.rules for r in reqs]
+        errors: list[str | None] = [None] * len(reqs)
+        if any(rules):
+            logits, errors = self.output_rules.mask(logits, rules)
+        params = [r.sampling for r in reqs]
+        picks = sample_batch(logits, params, [r.generator for r in reqs])
+        tops = top_alternatives(logits, params) if any(p.top_logprobs for p in params) else None
+        for i, (req, (tok, lp)) in enumerate(zip(reqs, picks, strict=True)):
+            if errors[i] is not None:
+                self._fail(req, RuntimeError(errors[i]))
+                continue
             req.output.append(tok)
             req.logprobs.append(lp)
             req.versions.append(self._version)
+            if tops is not None and (alternatives := tops[i]) is not None:
+                req.top = req.top if req.top is not None else []
+                req.top.append(alternatives)
             self._stats["tokens_generated"] += 1
             if req.on_token is not None:
                 try:
                     req.on_token(tok, lp, self._version)
                 except Exception:  # a broken listener must not stop the engine
                     req.on_token = None
-            if tok in req.sampling.stop_token_ids:
+            stopped, error = self.output_rules.accept(req.rules, req.output) if req.rules else (False, None)
+            if error is not None:
+                self._fail(req, RuntimeError(error))
+            elif stopped or tok in req.sampling.stop_token_ids:
                 self._finish(req, "stop")
             elif len(req.output) >= req.sampling.max_new_tokens or len(req.prompt) + len(req.output) >= self.max_len:
                 self._finish(req, "length")
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        """End one request with an error (its grammar failed); the others go on."""
+        self._release(req, keep_kv=False)
+        self._stats["errors"] += 1
+        safe_deliver(req.deliver, exc)
 
     def _release(self, req: Request, keep_kv: bool = True) -> None:
         """Free the request's slot; its KV stays there as a prefix-cache entry unless ``keep_kv`` is False."""

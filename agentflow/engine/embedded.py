@@ -34,6 +34,7 @@ from agentflow.engine.decode_loop import (
     common_prefix,
     safe_deliver,
 )
+from agentflow.engine.output_rules import OutputRules
 from agentflow.engine.qwen2 import DecoderModel, KVCache, load_hf_dir, validate_weights
 from agentflow.types import GenerateResult, PauseMode, SamplingParams, ScoreResult
 
@@ -109,6 +110,7 @@ class EmbeddedEngine(DecodeLoop):
             "prefix_hits": 0,
             "prefix_tokens_reused": 0,
         }
+        self.output_rules = OutputRules(self.model_dir, self.model.config.vocab_size)
         self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
         self._thread.start()
 
@@ -293,6 +295,7 @@ class EmbeddedEngine(DecodeLoop):
                 f"prompt of {len(prompt)} tokens does not fit max_len={self.max_len} (prompt + output tokens)"
             )
         rid = rid if rid is not None else uuid.uuid4().hex
+        rules = self.output_rules.for_request(sampling)
         with self._cv:
             if self._closed:
                 raise RuntimeError("engine is closed")
@@ -301,7 +304,7 @@ class EmbeddedEngine(DecodeLoop):
             self._counter += 1
             seed = sampling.seed if sampling.seed is not None else (self._seed * 1_000_003 + self._counter)
             gen = torch.Generator().manual_seed(seed % (2**63))
-            req = Request(rid, prompt, sampling, gen, deliver, on_token=on_token)
+            req = Request(rid, prompt, sampling, gen, deliver, on_token=on_token, rules=rules)
             if sampling.max_new_tokens == 0:
                 safe_deliver(deliver, req.result("length"))
                 return rid

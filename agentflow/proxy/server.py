@@ -1,15 +1,20 @@
 """The OpenAI-compatible recording proxy (aiohttp, 127.0.0.1, a random per-run API key).
 
-Routes (every one needs ``Authorization: Bearer <key>``)::
+Routes (every one needs ``Authorization: Bearer <key>`` or, as Anthropic clients send it, ``x-api-key: <key>``)::
 
     GET  /v1/models                                     and  /{trajectory_id}/{attempt}/v1/models
     POST /{trajectory_id}/{attempt}/v1/chat/completions  streaming (SSE) or not, tools, logprobs
+    POST /{trajectory_id}/{attempt}/v1/messages          Anthropic's Messages API (anthropic_route.py), and
+         /{trajectory_id}/{attempt}/v1/messages/count_tokens
     POST /{trajectory_id}/{attempt}/tools/{name}         the env's tool for subprocess agents: {"arguments": {...}}
 
 A trajectory is opened with :meth:`ProxyServer.open` before its program runs and closed after; calls for an unknown
 trajectory id or a stale attempt are refused (404), so a program that outlives its episode cannot write into
-another one. Each call renders its messages with the model's chat template, generates token-in/token-out on the
-engine and is recorded by the trajectory's :class:`~agentflow.proxy.recorder.Recorder`.
+another one. Standalone (``agentflow proxy serve``, an ``opener``), an unknown trajectory opens on its first call
+and ``POST /v1/chat/completions`` is the :data:`DEFAULT_TRAJECTORY`'s. A request to a path or with a method the
+proxy does not serve gets a 404 or 405 naming the routes it does serve. Each call renders its messages with the
+model's chat template, generates token-in/token-out on the engine and is recorded by the trajectory's
+:class:`~agentflow.proxy.recorder.Recorder`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import inspect
+import itertools
 import json
 import secrets
 import time
@@ -27,12 +33,17 @@ from typing import Any
 from aiohttp import web
 
 from agentflow.chat import ChatTokenizer
-from agentflow.proxy import wire
+from agentflow.proxy import anthropic_wire, route_help, wire
 from agentflow.proxy.recorder import Plan, Recorder
 from agentflow.proxy.types import SEGMENT_HEADER, CallRecord, ProxyError, ToolHandler
 from agentflow.types import GenerateResult, InferenceEngine, SamplingParams
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Opener = Callable[[str, str], None]
+"""Standalone proxy: open trajectory ``(id, attempt)`` (both as in the path) on its first call, or raise ProxyError."""
+
+#: The trajectory of ``POST /v1/chat/completions`` on a standalone proxy.
+DEFAULT_TRAJECTORY = "default"
 
 
 @dataclass
@@ -58,8 +69,12 @@ class ProxyServer:
         port: int = 0,
         recycle: bool = False,
         max_recycles: int = 4,
+        train_side_calls: bool = False,
+        opener: Opener | None = None,
+        on_call: Callable[[Recorder], None] | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.train_side_calls, self.opener, self.on_call = train_side_calls, opener, on_call
         self.api_key = api_key or "sk-agentflow-" + secrets.token_urlsafe(24)
         self.host, self.port = host, port
         self.recycle, self.max_recycles = recycle, max_recycles
@@ -67,6 +82,7 @@ class ProxyServer:
         self._runner: web.AppRunner | None = None
         self._streams = "on_token" in inspect.signature(engine.generate).parameters
         self.in_flight = 0
+        self._call_ids = itertools.count()
         self.max_in_flight = 0
         self.refused = 0
 
@@ -77,6 +93,15 @@ class ProxyServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/{tid}/{attempt}/v1/models", self.models)
         app.router.add_post("/{tid}/{attempt}/v1/chat/completions", self.chat)
+        if self.opener is not None:
+            app.router.add_post("/v1/chat/completions", self.chat)
+        from agentflow.proxy.anthropic_route import AnthropicRoute  # it builds on this module: imported here
+
+        anthropic = AnthropicRoute(self)
+        app.router.add_post("/{tid}/{attempt}/v1/messages", anthropic.messages)
+        app.router.add_post("/{tid}/{attempt}/v1/messages/count_tokens", anthropic.count_tokens)
+        if self.opener is not None:
+            app.router.add_post("/v1/messages", anthropic.messages)
         app.router.add_post("/{tid}/{attempt}/tools/{name}", self.tool)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -104,6 +129,10 @@ class ProxyServer:
         """The ``base_url`` an OpenAI client of this trajectory uses (ends in ``/v1``)."""
         return f"{self.url}/{trajectory_id}/{attempt}/v1"
 
+    def anthropic_base_url(self, trajectory_id: str, attempt: int = 0) -> str:
+        """The ``base_url`` an Anthropic client of this trajectory uses (the client appends ``/v1/messages``)."""
+        return f"{self.url}/{trajectory_id}/{attempt}"
+
     def tools_url(self, trajectory_id: str, attempt: int = 0) -> str:
         return f"{self.url}/{trajectory_id}/{attempt}/tools"
 
@@ -121,7 +150,9 @@ class ProxyServer:
         """Start recording a trajectory attempt (a later attempt replaces an earlier one)."""
         if "/" in trajectory_id or not trajectory_id:
             raise ValueError(f"trajectory id must be non-empty and contain no '/': {trajectory_id!r}")
-        rec = Recorder(trajectory_id, attempt, self.tokenizer, sampling, max_len, client_sampling)
+        rec = Recorder(
+            trajectory_id, attempt, self.tokenizer, sampling, max_len, client_sampling, self.train_side_calls
+        )
         self._sessions[trajectory_id] = (attempt, _Session(rec, tool_handler))
         return rec
 
@@ -135,11 +166,16 @@ class ProxyServer:
         return session.recorder
 
     def _session(self, request: web.Request) -> _Session:
-        tid, attempt = request.match_info["tid"], request.match_info["attempt"]
+        tid = request.match_info.get("tid", DEFAULT_TRAJECTORY)
+        attempt = request.match_info.get("attempt", "0")
         entry = self._sessions.get(tid)
+        if self.opener is not None and (entry is None or str(entry[0]) != attempt):
+            self.opener(tid, attempt)
+            entry = self._sessions.get(tid)
         if entry is None or str(entry[0]) != attempt:
             self.refused += 1
-            raise ProxyError(404, f"unknown trajectory {tid!r} (attempt {attempt})", "invalid_request_error",
+            now = f"; its current attempt's base URL is {self.base_url(tid, entry[0])}" if entry is not None else ""
+            raise ProxyError(404, f"unknown trajectory {tid!r} (attempt {attempt}){now}", "invalid_request_error",
                              "unknown_trajectory")  # fmt: skip
         return entry[1]
 
@@ -148,7 +184,9 @@ class ProxyServer:
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        key = request.headers.get("x-api-key")  # how Anthropic clients send the key
+        bearer_ok = hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+        if not (bearer_ok or (key is not None and hmac.compare_digest(key.encode(), self.api_key.encode()))):
             self.refused += 1
             raise ProxyError(401, "Incorrect API key provided.", "invalid_request_error", "invalid_api_key")
         return await handler(request)
@@ -158,21 +196,23 @@ class ProxyServer:
         try:
             return await handler(request)
         except ProxyError as e:
-            return web.json_response(e.body(), status=e.status)
-        except web.HTTPException as e:  # aiohttp's own 404/405: the same error shape
-            err = ProxyError(e.status, f"{e.reason}: {request.method} {request.path}", "invalid_request_error")
-            return web.json_response(err.body(), status=e.status)
+            return _error(request, e)
+        except web.HTTPException as e:  # aiohttp's own 404/405: the same error shape, naming the routes served
+            err, headers = route_help.route_error(request, e, self._base_url_of)
+            return _error(request, err, headers)
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as e:  # the proxy keeps serving; the program sees why
             err = ProxyError(500, f"proxy error: {type(e).__name__}: {e}", "server_error", "internal_error")
-            return web.json_response(err.body(), status=500)
+            return _error(request, err)
 
     # ---------------------------------------------------------------------------------------------- routes
 
     async def models(self, request: web.Request) -> web.Response:
         if "tid" in request.match_info:
             self._session(request)
+        if anthropic_wire.wants_anthropic(request.path, request.headers):
+            return web.json_response(anthropic_wire.model_list(self.model_name))
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "agentflow"}
         return web.json_response({"object": "list", "data": [model]})
 
@@ -190,30 +230,45 @@ class ProxyServer:
             raise ProxyError(409, str(e), code="episode_over") from None
         return web.json_response({"output": output, "done": done})
 
+    def _base_url_of(self, trajectory_id: str) -> str | None:
+        entry = self._sessions.get(trajectory_id)
+        return None if entry is None else self.base_url(trajectory_id, entry[0])
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
-        session = self._session(request)
+        rec = self._session(request).recorder
+        try:  # a refused call is the agent's to handle (an error observation), counted in its trajectory's record
+            return await self._chat(request, rec, t0)
+        except ProxyError as e:
+            rec.refuse(e)
+            raise
+        finally:
+            if self.on_call is not None:
+                self.on_call(rec)
+
+    async def _chat(self, request: web.Request, rec: Recorder, t0: float) -> web.StreamResponse:
         req = wire.parse_request(await _json(request))
         if req.model != self.model_name:
             raise ProxyError(404, f"The model '{req.model}' does not exist; this proxy serves '{self.model_name}'.",
                              code="model_not_found", param="model")  # fmt: skip
-        rec = session.recorder
         plan = rec.plan(req, request.headers.get(SEGMENT_HEADER))
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
+            used = wire.sampling_header(rec.sampling_for(req, plan))  # a bad schema is refused before streaming
             if req.stream:
                 return await self._stream(request, rec, req, plan, t0)
             res, engine_s, recycled = await self._generate(rec, req, plan)
-            reply = rec.reply_for(res.output_ids)
+            reply = rec.reply_for(res.output_ids, req)
             call = rec.commit(plan, res, reply, engine_s=engine_s, recycled=recycled)
             plan = None  # committed: nothing to release
             body = wire.completion(
                 wire.new_id("chatcmpl"), self.model_name, _public(reply), wire.finish_reason(reply, res.finish_reason),
-                wire.usage_of(len(call.input_ids), len(res.output_ids), res.cached_tokens), self._extra(req, call),
+                wire.usage_of(len(call.input_ids), len(res.output_ids), res.cached_tokens),
+                self._extra(req, call, res),
             )  # fmt: skip
             call.total_s = time.perf_counter() - t0
-            return web.json_response(body)
+            return web.json_response(body, headers=used)
         finally:
             self.in_flight -= 1
             if plan is not None and not req.stream:
@@ -225,11 +280,11 @@ class ProxyServer:
         self, rec: Recorder, req: wire.ChatRequest, plan: Plan, on_token: Callable | None = None
     ) -> tuple[GenerateResult, float, int]:
         """Run the call on the engine; recycle generations aborted by a weight update when configured."""
-        sampling = rec.sampling_for(req, plan)
+        sampling = plan.sampling or rec.sampling_for(req, plan)
         engine_s, recycled = 0.0, 0
         while True:
             version = self.engine.weight_version
-            rid = f"{rec.trajectory_id}:{rec.attempt}:{len(rec.calls)}:{recycled}"
+            rid = f"{rec.trajectory_id}:{rec.attempt}:{next(self._call_ids)}:{recycled}"  # concurrent calls differ
             t = time.perf_counter()
             kwargs = {"on_token": on_token} if on_token is not None and self._streams else {}
             res = await self.engine.generate(list(plan.input_ids), sampling, rid=rid, **kwargs)
@@ -242,11 +297,14 @@ class ProxyServer:
             if on_token is not None:
                 on_token(None, 0.0, -1)  # tell the stream to forget the aborted tokens
 
-    def _extra(self, req: wire.ChatRequest, call: CallRecord) -> dict[str, Any]:
+    def _extra(self, req: wire.ChatRequest, call: CallRecord, res: GenerateResult) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         if req.logprobs:
             toks = [self.tokenizer.decode([t]) for t in call.output_ids]
-            extra["logprobs"] = wire.logprobs_block(toks, call.logprobs)
+            top = None
+            if req.top_logprobs and res.top_logprobs is not None:
+                top = [[(self.tokenizer.decode([i]), lp) for i, lp in row] for row in res.top_logprobs]
+            extra["logprobs"] = wire.logprobs_block(toks, call.logprobs, top)
         if req.return_token_ids:
             extra.update(token_ids=call.output_ids, prompt_token_ids=call.input_ids, weight_versions=call.versions)
         return extra
@@ -255,13 +313,16 @@ class ProxyServer:
         self, request: web.Request, rec: Recorder, req: wire.ChatRequest, plan: Plan, t0: float
     ) -> web.StreamResponse:
         """Server-sent events: content deltas as tokens arrive, tool calls and the finish reason at the end."""
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        if plan.sampling is not None:
+            headers.update(wire.sampling_header(plan.sampling))
+        resp = web.StreamResponse(headers=headers)
         cid, model = wire.new_id("chatcmpl"), self.model_name
         committed = False
         try:
             await resp.prepare(request)
             await _sse(resp, wire.chunk(cid, model, {"role": "assistant", "content": ""}))
-            streamer = _ContentStream(self.tokenizer)
+            streamer = _ContentStream(self.tokenizer, req.stop, req.parse_tools)
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
             task = asyncio.create_task(
@@ -277,7 +338,7 @@ class ProxyServer:
                 if delta:
                     await _sse(resp, wire.chunk(cid, model, {"content": delta}))
             res, engine_s, recycled = task.result()
-            reply = rec.reply_for(res.output_ids)
+            reply = rec.reply_for(res.output_ids, req)
             reply["content"] = streamer.finish(res.output_ids, reply["content"])
             for delta in streamer.pending:
                 await _sse(resp, wire.chunk(cid, model, {"content": delta}))
@@ -289,6 +350,7 @@ class ProxyServer:
         except ProxyError as e:
             if not resp.prepared:
                 raise
+            rec.refuse(e)
             await _sse(resp, e.body())  # mid-stream: OpenAI sends the error as an event
             await resp.write(b"data: [DONE]\n\n")
             return resp
@@ -303,7 +365,7 @@ class ProxyServer:
             delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
             await _sse(resp, wire.chunk(cid, model, delta))
         await _sse(resp, wire.chunk(cid, model, {}, wire.finish_reason(reply, res.finish_reason),
-                                    **self._extra(req, call)))  # fmt: skip
+                                    **self._extra(req, call, res)))  # fmt: skip
         if req.include_usage:
             usage = wire.usage_of(len(call.input_ids), len(res.output_ids), res.cached_tokens)
             body = wire.chunk(cid, model, {})
@@ -314,14 +376,17 @@ class ProxyServer:
 
 
 class _ContentStream:
-    """Incremental text of the model's tokens, up to its first tool call (tool calls are sent whole at the end)."""
+    """Incremental text of the model's tokens, up to its first tool call (tool calls are sent whole at the end)
+    or stop string (text that could be the start of one is held back until it is known not to be)."""
 
-    def __init__(self, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...] = (), parse_tools: bool = True) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.sent = ""
         self.stopped = False
         self.pending: list[str] = []
+        self.stop, self.parse_tools = stop, parse_tools
+        self.hold = max((len(x) for x in stop), default=1) - 1
 
     def push(self, token: int | None, logprob: float, version: int) -> str:
         if token is None:  # the generation was recycled: the new one starts over (text already sent stays)
@@ -331,9 +396,13 @@ class _ContentStream:
         if self.stopped or token in self.tokenizer.stop_ids:
             return ""
         text = self.tokenizer.decode(self.ids)
-        cut = text.find("<tool_call>")
-        if cut >= 0:
-            text, self.stopped = text[:cut], True
+        cuts = [i for i in (text.find(x) for x in self.stop) if i >= 0]
+        if self.parse_tools and (i := text.find("<tool_call>")) >= 0:
+            cuts.append(i)
+        if cuts:
+            text, self.stopped = text[: min(cuts)], True
+        elif self.hold:
+            text = text[: len(text) - self.hold]
         if text.endswith("\ufffd") or not text.startswith(self.sent):  # a partial UTF-8 character: wait
             return ""
         delta, self.sent = text[len(self.sent) :], text
@@ -345,6 +414,13 @@ class _ContentStream:
             self.pending.append(content[len(self.sent) :])
             self.sent = content
         return self.sent
+
+
+def _error(request: web.Request, err: ProxyError, headers: Any = None) -> web.Response:
+    """The error as JSON in the caller's API shape: Anthropic's for Anthropic clients, OpenAI's otherwise."""
+    anthropic = anthropic_wire.wants_anthropic(request.path, request.headers)
+    body = anthropic_wire.error_body(err) if anthropic else err.body()
+    return web.json_response(body, status=err.status, headers=headers)
 
 
 async def _sse(resp: web.StreamResponse, obj: dict[str, Any]) -> None:

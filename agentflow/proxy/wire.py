@@ -14,8 +14,32 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentflow.proxy.types import ProxyError
+from agentflow.types import SamplingParams
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+#: Request fields that change nothing we generate: accepted and documented as such (README, "Request fields").
+INFORMATIONAL = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+#: Fields we honour (validated below), besides the informational ones.
+HONOURED = (
+    "model", "messages", "tools", "tool_choice", "parallel_tool_calls", "response_format", "stream",
+    "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "logprobs",
+    "top_logprobs", "n", "modalities", "return_token_ids",
+)  # fmt: skip
+#: Fields refused unless they ask for nothing (their default), and why.
+_REFUSED: dict[str, str] = {
+    "frequency_penalty": "sampling penalties are not supported (the trainer could not reproduce the log-probs)",
+    "presence_penalty": "sampling penalties are not supported (the trainer could not reproduce the log-probs)",
+    "logit_bias": "logit_bias is not supported (the trainer could not reproduce the log-probs)",
+    "functions": "the deprecated 'functions' field is not supported; use 'tools'",
+    "function_call": "the deprecated 'function_call' field is not supported; use 'tool_choice'",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "this model has no reasoning settings",
+    "verbosity": "this model has no verbosity setting",
+    "web_search_options": "web search is not supported",
+}
 
 
 @dataclass
@@ -34,6 +58,17 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     return_token_ids: bool = False
+    tool_choice: str | dict[str, Any] | None = None
+    """``None``/``"auto"``, ``"none"``, ``"required"``, or ``{"mode": "auto"|"required", "names": [...]}``."""
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None
+    """``{"type": "json_object"}`` or ``{"type": "json_schema", "schema": {...}, "strict": bool}``; None: text."""
+    stop: tuple[str, ...] = ()
+
+    @property
+    def parse_tools(self) -> bool:
+        """Whether tool calls are parsed out of the reply (never without tools or with ``tool_choice: none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 def bad(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> ProxyError:
@@ -51,13 +86,19 @@ def parse_request(body: Any) -> ChatRequest:
     if not isinstance(raw, list) or not raw:
         raise bad("'messages' must be a non-empty array", "messages")
     messages = [_message(m, i) for i, m in enumerate(raw)]
+    _refuse_unsupported(body)
     tools = _tools(body.get("tools"))
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise bad("only n=1 is supported", "n")
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        raise bad("only tool_choice 'auto' or 'none' is supported", "tool_choice")
+    if body.get("modalities") not in (None, ["text"]):
+        raise bad("only the 'text' modality is supported", "modalities")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     stream_opts = body.get("stream_options") or {}
+    top_logprobs = _typed(body, "top_logprobs", int, 0)
+    if not 0 <= top_logprobs <= 20:
+        raise bad(f"'top_logprobs' must be an integer in [0, 20], got {top_logprobs}", "top_logprobs")
+    if top_logprobs and not body.get("logprobs"):
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return ChatRequest(
         model=model,
         messages=messages,
@@ -69,9 +110,73 @@ def parse_request(body: Any) -> ChatRequest:
         top_p=_number(body.get("top_p"), "top_p", 1e-9, 1.0),
         seed=body.get("seed") if isinstance(body.get("seed"), int) else None,
         logprobs=_typed(body, "logprobs", bool, False),
-        top_logprobs=_typed(body, "top_logprobs", int, 0),
+        top_logprobs=top_logprobs,
         return_token_ids=_typed(body, "return_token_ids", bool, False),
+        tool_choice=_tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=_typed(body, "parallel_tool_calls", bool, True),
+        response_format=_response_format(body.get("response_format")),
+        stop=_stop(body.get("stop")),
     )
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Unknown fields and fields we cannot honour are refused by name, as OpenAI refuses unknown arguments."""
+    for key, value in body.items():
+        if key in _REFUSED:
+            if value in (None, 0, 0.0, {}, False) and key not in ("functions", "function_call"):
+                continue  # asks for the default: nothing to honour
+            raise bad(f"'{key}': {_REFUSED[key]}", key, "unsupported_parameter")
+        if key not in HONOURED and key not in INFORMATIONAL:
+            raise bad(f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any] | None:
+    names = [t["function"]["name"] for t in tools]
+    if value is None or value == "auto":
+        return None
+    if value in ("none", "required"):
+        if value == "required" and not tools:
+            raise bad("tool_choice 'required' needs 'tools'", "tool_choice")
+        return value
+    if isinstance(value, dict) and value.get("type") == "function":
+        name = (value.get("function") or {}).get("name")
+        if name not in names:
+            raise bad(f"tool_choice names function {name!r}, which is not in 'tools' ({names})", "tool_choice")
+        return {"mode": "required", "names": [name]}
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        spec = value.get("allowed_tools") or {}
+        mode = spec.get("mode", "auto")
+        picked = [((t or {}).get("function") or {}).get("name") for t in spec.get("tools") or []]
+        if mode not in ("auto", "required") or not picked or any(n not in names for n in picked):
+            raise bad("allowed_tools needs mode 'auto' or 'required' and tools named in 'tools'", "tool_choice")
+        return {"mode": mode, "names": picked}
+    raise bad("tool_choice must be 'none', 'auto', 'required', {'type': 'function', 'function': {'name'}} or "
+              "{'type': 'allowed_tools', ...}", "tool_choice")  # fmt: skip
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    if value is None or (isinstance(value, dict) and value.get("type") == "text"):
+        return None
+    if isinstance(value, dict) and value.get("type") == "json_object":
+        return {"type": "json_object"}
+    if isinstance(value, dict) and value.get("type") == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise bad("response_format.json_schema needs a 'name'", "response_format.json_schema")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise bad("response_format.json_schema.schema must be an object", "response_format.json_schema.schema")
+        return {"type": "json_schema", "schema": schema, "strict": bool(spec.get("strict"))}
+    raise bad("response_format.type must be 'text', 'json_object' or 'json_schema'", "response_format")
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(x, str) and x for x in stops):
+        raise bad("'stop' must be a non-empty string or an array of at most 4 of them", "stop")
+    return tuple(stops)
 
 
 def _typed(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:
@@ -164,6 +269,11 @@ def _tools(value: Any) -> list[dict[str, Any]]:
             raise bad(f"tools[{j}] must be {{'type': 'function', 'function': {{...}}}}", f"tools[{j}]")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad(f"tools[{j}].function.name must be a non-empty string", f"tools[{j}].function.name")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise bad(f"tools[{j}].function.parameters must be a JSON schema object", f"tools[{j}].function.parameters")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise bad(f"tools[{j}].function.strict must be a boolean", f"tools[{j}].function.strict")
     return value
 
 
@@ -199,12 +309,32 @@ def finish_reason(reply: dict[str, Any], engine_reason: str) -> str:
     return "length" if engine_reason == "length" else "stop"
 
 
-def logprobs_block(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
-    content = [
-        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-        for t, lp in zip(tokens, logprobs, strict=True)
-    ]
+def logprobs_block(
+    tokens: list[str], logprobs: list[float], top: list[list[tuple[str, float]]] | None = None
+) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` of a choice; ``top``: per token the alternatives (tokens the grammar forbade, with a
+    log-prob of -inf, are left out: JSON has no infinity)."""
+    content = []
+    for k, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        alts = [
+            {"token": a, "logprob": v, "bytes": list(a.encode())}
+            for a, v in (top[k] if top is not None and k < len(top) else [])
+            if v != float("-inf")
+        ]
+        content.append({"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": alts})
     return {"content": content, "refusal": None}
+
+
+#: Response header reporting the sampling the engine used (an RL job overrides the client's; README).
+SAMPLING_HEADER = "X-AgentFlow-Sampling"
+
+
+def sampling_header(s: SamplingParams) -> dict[str, str]:
+    """``{SAMPLING_HEADER: "temperature=1.0; top_p=1.0; top_k=-1; seed=none; max_tokens=64"}``."""
+    seed = "none" if s.seed is None else str(s.seed)
+    value = f"temperature={s.temperature:g}; top_p={s.top_p:g}; top_k={s.top_k}; seed={seed}"
+    value += f"; max_tokens={s.max_new_tokens}"
+    return {SAMPLING_HEADER: value}
 
 
 def completion(

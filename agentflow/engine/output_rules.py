@@ -1,0 +1,103 @@
+"""What a request asks of its output beyond plain sampling: a grammar, stop strings, top log-probs.
+
+Runs on the decode thread. A grammar masks the logits before sampling (so behaviour log-probs are those of the
+masked distribution, which the trainer reproduces by replaying the grammar); stop strings are matched on the decoded
+tail of the output; top log-probs come from the same tempered, masked distribution the token was drawn from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from agentflow.structured import Grammars, allowed, grammars_for
+from agentflow.types import SamplingParams
+
+
+@dataclass(eq=False)
+class RequestRules:
+    """One request's grammar matcher and stop strings (the matcher advances with every accepted token)."""
+
+    matcher: Any = None
+    stop: tuple[str, ...] = ()
+    tail_tokens: int = 0
+    """Output tokens decoded to look for a stop string (enough to hold the longest one)."""
+
+
+class OutputRules:
+    """Builds :class:`RequestRules` and applies them for one engine (its model directory and vocabulary)."""
+
+    def __init__(self, model_dir: str, vocab: int) -> None:
+        self.model_dir, self.vocab = model_dir, vocab
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        return grammars_for(self.model_dir, self.vocab)
+
+    @cached_property
+    def _decoder(self) -> Any:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(f"{self.model_dir}/tokenizer.json")
+
+    def for_request(self, sampling: SamplingParams) -> RequestRules | None:
+        """Rules of a new request; raises ValueError for a grammar that does not compile."""
+        if sampling.grammar is None and not sampling.stop:
+            return None
+        matcher = None
+        if sampling.grammar is not None:
+            try:
+                matcher = self.grammars.matcher(sampling.grammar)
+            except ValueError as e:
+                raise ValueError(f"invalid grammar: {e}") from None
+        longest = max((len(s.encode()) for s in sampling.stop), default=0)
+        return RequestRules(matcher, tuple(sampling.stop), longest + 2)
+
+    def mask(self, logits: torch.Tensor, rules: list[RequestRules | None]) -> tuple[torch.Tensor, list[str | None]]:
+        """``logits [B, V]`` with each row masked by its grammar (a new tensor: the model's are inference
+        tensors), and per row an error or None."""
+        rows = [i for i, r in enumerate(rules) if r is not None and r.matcher is not None]
+        errors: list[str | None] = [None] * len(rules)
+        if not rows:
+            return logits, errors
+        words = torch.zeros(len(rows), self.grammars.words, dtype=torch.int32)
+        for j, i in enumerate(rows):
+            try:
+                self.grammars.mask_into(rules[i].matcher, words[j])  # type: ignore[union-attr]
+            except ValueError as e:
+                errors[i] = f"grammar error: {e}"
+        ok = allowed(words, logits.shape[-1])
+        for j, i in enumerate(rows):
+            if errors[i] is None and not bool(ok[j].any()):
+                errors[i] = "grammar error: no token is allowed"
+        keep = [j for j, i in enumerate(rows) if errors[i] is None]  # a failed row is dropped, not sampled masked
+        if keep:
+            full = torch.ones(logits.shape, dtype=torch.bool)
+            full[[rows[j] for j in keep]] = ok[keep]
+            logits = logits.masked_fill(~full, float("-inf"))
+        return logits, errors
+
+    def accept(self, rules: RequestRules, output: list[int]) -> tuple[bool, str | None]:
+        """Advance the matcher with the last output token; returns (stop string matched, error)."""
+        if rules.matcher is not None and not rules.matcher.consume_token(output[-1]):
+            return False, f"grammar error: token {output[-1]} rejected ({rules.matcher.get_error()})"
+        if rules.stop:
+            tail = self._decoder.decode(output[-rules.tail_tokens :], skip_special_tokens=False)
+            if any(s in tail for s in rules.stop):
+                return True, None
+        return False, None
+
+
+def top_alternatives(logits: torch.Tensor, params: list[SamplingParams]) -> list[list[tuple[int, float]] | None]:
+    """``(id, log-prob)`` of the best ``top_logprobs`` tokens per row, at the row's temperature (greedy: 1)."""
+    out: list[list[tuple[int, float]] | None] = [None] * len(params)
+    for i, p in enumerate(params):
+        if p.top_logprobs > 0:
+            t = p.temperature if p.temperature > 0 else 1.0
+            logp = torch.log_softmax(logits[i] / t, dim=-1)
+            vals, idx = torch.topk(logp, min(p.top_logprobs, logp.shape[-1]))
+            out[i] = list(zip(idx.tolist(), vals.tolist(), strict=True))
+    return out
