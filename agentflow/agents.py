@@ -134,6 +134,7 @@ class BlackBoxAgent(BaseAgent):
         timeout_s: float = 120.0,
         model_name: str = "agentflow-policy",
         recycle: bool = False,
+        train_side_calls: bool = False,
         **_: Any,
     ) -> None:
         from agentflow.proxy.runner import CallableProgram, SubprocessProgram, load_callable
@@ -142,6 +143,7 @@ class BlackBoxAgent(BaseAgent):
             raise ValueError("a blackbox agent needs exactly one of agent.entry (module:function) or agent.command")
         self.program = CallableProgram(load_callable(entry)) if entry else SubprocessProgram(list(command or []))
         self.timeout_s, self.model_name, self.recycle = timeout_s, model_name, recycle
+        self.train_side_calls = train_side_calls
         self.proxy: Any = None
         self.runner: Any = None
 
@@ -149,7 +151,9 @@ class BlackBoxAgent(BaseAgent):
         from agentflow.proxy.server import ProxyServer
 
         _abort_on_update(engine, self.recycle)
-        self.proxy = await ProxyServer(engine, tokenizer, self.model_name, recycle=self.recycle).start()
+        self.proxy = await ProxyServer(
+            engine, tokenizer, self.model_name, recycle=self.recycle, train_side_calls=self.train_side_calls
+        ).start()
 
     async def run(self, episode: Episode) -> Trajectory:
         from agentflow.proxy.runner import BlackBoxRunner
@@ -176,5 +180,6 @@ def agent_from_config(cfg: Any) -> BaseAgent:
     """The job's agent from its ``agent`` and ``rollout`` sections."""
     a = cfg.agent
     settings = {"context": a.context, "entry": a.entry, "command": a.command, "timeout_s": a.timeout_s,
-                "model_name": a.model_name, "recycle": cfg.rollout.partial == "recycle", **a.kwargs}  # fmt: skip
+                "model_name": a.model_name, "recycle": cfg.rollout.partial == "recycle",
+                "train_side_calls": a.train_side_calls, **a.kwargs}  # fmt: skip
     return make_agent(a.type, **settings)

@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-len", type=int, default=2048)
     serve.add_argument("--seed", type=int, default=0)
 
+    _proxy_parser(sub)
+
     envs_p = sub.add_parser("envs", help="environment registry").add_subparsers(dest="envs_cmd", required=True)
     envs_p.add_parser("list", help="list registered environment ids")
     check = envs_p.add_parser("check", help="run gymnasium check_env + async conformance on an environment")
@@ -59,6 +61,41 @@ def _parser() -> argparse.ArgumentParser:
     play.add_argument("--split", default="train")
     play.add_argument("--task-set", default=None)
     return p
+
+
+def _proxy_parser(sub: argparse._SubParsersAction) -> None:
+    proxy = sub.add_parser("proxy", help="the black-box recording proxy").add_subparsers(
+        dest="proxy_cmd", required=True
+    )
+    serve = proxy.add_parser(
+        "serve", help="serve a model to OpenAI-API agents on 127.0.0.1 and record every call, without a training job"
+    )
+    serve.add_argument("model_dir", help="model directory (weights for the embedded engine; tokenizer and template)")
+    serve.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free one)")
+    serve.add_argument("--sglang", nargs="+", action="extend", default=[], metavar="URL",
+                       help="generate on these SGLang servers instead of the embedded engine")  # fmt: skip
+    serve.add_argument("--record", default="runs/proxy", metavar="DIR", help="where each trajectory's JSON goes")
+    serve.add_argument("--api-key", default=None, help="the key clients must send (default: $AGENTFLOW_PROXY_KEY, "
+                       "else a generated one, printed)")  # fmt: skip
+    serve.add_argument("--model-name", default="agentflow-policy", help="the model name clients ask for")
+    serve.add_argument("--max-len", type=int, default=2048, help="context tokens per trajectory segment")
+    serve.add_argument("--max-slots", type=int, default=8, help="sequences the embedded engine decodes together")
+    serve.add_argument("--max-new-tokens", type=int, default=512, help="most new tokens of one call")
+    serve.add_argument("--temperature", type=float, default=1.0, help="for requests that name none")
+    serve.add_argument("--seed", type=int, default=0, help="the embedded engine's seed")
+    serve.add_argument("--train-side-calls", action="store_true", help="mark side and retry segments trained")
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from agentflow.proxy.serve import ServeOptions, serve_proxy
+
+    serve_proxy(ServeOptions(
+        model_dir=args.model_dir, port=args.port, sglang=list(args.sglang), record=args.record, api_key=args.api_key,
+        model_name=args.model_name, max_len=args.max_len, max_slots=args.max_slots,
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+        train_side_calls=args.train_side_calls,
+    ))  # fmt: skip
+    return 0
 
 
 def _run_envs(args: argparse.Namespace) -> int:
@@ -135,6 +172,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "envs":
         return _run_envs(args)
+    if args.cmd == "proxy":
+        return _run_proxy(args)
     from agentflow.config import load_config
 
     config, overrides = _split_config(args)
@@ -145,8 +184,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.cmd == "eval":
         from agentflow.recipes.evaluate import run_eval
 
-        print(json.dumps(run_eval(cfg, args.model), indent=2))
-        return 0
+        result = run_eval(cfg, args.model)
+        print(json.dumps(result, indent=2))
+        return _failed("evaluation", result)
     return _train(args.cmd, cfg, bool(resume))
 
 
@@ -164,7 +204,18 @@ def _train(cmd: str, cfg: JobConfig, resume: bool) -> int:
         print(f"agentflow: {e}\nagentflow: continue with `agentflow train --resume {cfg.run.dir}`", file=sys.stderr)
         return 1
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict | list)}, indent=2))
-    return 0
+    return _failed("job", summary)
+
+
+def _failed(what: str, summary: dict) -> int:
+    """1, after one line naming the reason, when every episode ended ``error``; else 0."""
+    from agentflow.recipes.common import all_failed
+
+    reason = all_failed(summary)
+    if reason is None:
+        return 0
+    print(f"agentflow: error: {what}: {reason}", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

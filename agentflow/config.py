@@ -100,7 +100,11 @@ class AgentConfig(Section):
     command: list[str] | None = None
     """Blackbox: the program as a command (``{python}`` = this interpreter), given ``OPENAI_BASE_URL`` etc."""
     timeout_s: float = Field(120.0, gt=0)
-    """Blackbox: seconds one episode's program may run before it is killed (the episode ends ``truncated``)."""
+    """Blackbox: seconds one episode's program may run before it is killed (the episode ends ``error``)."""
+    train_side_calls: bool = False
+    """Blackbox: also train the calls that continue no conversation and carry no ``X-AgentFlow-Segment`` header
+    (``side`` segments) and the replies an agent dropped by asking again (``retry``); by default they are recorded
+    in the trajectory but not trained."""
     model_name: str = "agentflow-policy"
     """Blackbox: the model name the proxy serves."""
     kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -266,11 +266,21 @@ def per_type_success(results: Iterable[tuple[str, bool]]) -> dict[str, float]:
 
 
 def success_summary(trajs: list[Trajectory]) -> dict[str, Any]:
-    """Overall and per-task-type success; errors are counted, not scored."""
+    """Overall and per-task-type success; errors are counted (with the first one's reason), not scored."""
     n = len(trajs)
     return {
         "success": sum(bool(t.info.get("success")) for t in trajs) / n if n else 0.0,
         "episodes": n,
         "errors": sum(t.status == "error" for t in trajs),
+        "first_error": first_error(trajs),
         "per_type": per_type_success(outcomes(trajs)),
     }
+
+
+def first_error(trajs: Iterable[Trajectory]) -> str | None:
+    """The first error trajectory's reason, its first line only (an agent's traceback follows on later lines)."""
+    for t in trajs:
+        if t.status == "error":
+            lines = (t.error or "").strip().splitlines()
+            return f"{t.id}: {lines[0][:300] if lines else 'no reason given'}"
+    return None

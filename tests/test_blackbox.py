@@ -104,9 +104,57 @@ def test_crashing_hanging_and_idle_programs_end_their_episode_with_a_reason(tiny
     t0 = time.monotonic()
     hung = asyncio.run(_blackbox(tiny_model, hang, spec, timeout=1.0))
     assert time.monotonic() - t0 < 20
-    assert hung.status == "truncated" and hung.reward is None and "timed out" in hung.error
+    assert hung.status == "error" and hung.reward is None and "timed out" in hung.error and hung.info["timed_out"]
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)  # killed with its process group, not left behind
+
+
+async def _recovers(task):
+    """Sends a request past the context, takes the 400 as an observation, then asks properly and answers."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    try:
+        await client.chat.completions.create(model=task.model, messages=[{"role": "user", "content": "9 " * 2000}])
+    except openai.BadRequestError as e:
+        assert e.code == "context_length_exceeded"
+    r = await client.chat.completions.create(model=task.model, messages=task.messages)
+    return r.choices[0].message.content
+
+
+async def _gives_up(task):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    try:
+        await client.chat.completions.create(model="no-such-model", messages=task.messages)
+    except openai.NotFoundError:
+        return "7"
+
+
+def test_a_refused_call_is_the_agents_observation_not_the_end_of_its_episode(tiny_model):
+    """An over-long request is refused (400) and counted; the agent goes on and its answer is scored. Only an agent
+    that never gets a reply ends ``error``, with the refusal named."""
+    from envs.demo import make_task
+
+    tok = ChatTokenizer(tiny_model)
+    spec = EpisodeSpec("ep-r", "g0", 7, env_id="agentflow/Calc-v0")
+
+    async def play(program):
+        env = envs.make("agentflow/Calc-v0")
+        try:
+            async with ProxyServer(ScriptedEngine(tok, [str(make_task(7).answer)]), tok) as proxy:
+                return await BlackBoxRunner(proxy, CallableProgram(program), 60.0, 256).run(env, spec, GREEDY)
+        finally:
+            env.close()
+
+    recovered = asyncio.run(play(_recovers))
+    assert recovered.status == "ok" and recovered.reward == 1.0 and recovered.info["success"], recovered.error
+    assert recovered.info["refused_calls"] == 1 and "context_length_exceeded" in recovered.info["first_refusal"]
+    assert recovered.info["calls"] == 1 and [s.kind for s in recovered.segments] == ["root"]
+    gave_up = asyncio.run(play(_gives_up))
+    assert gave_up.status == "error" and gave_up.reward is None
+    assert "no model calls (1 refused, the first: 404 model_not_found" in gave_up.error
 
 
 def test_agent_registry():
@@ -149,6 +197,19 @@ def test_short_blackbox_rl_job(tiny_model, tmp_path):
     assert all(t.status in ("ok", "truncated") for t in trajs)
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert metrics["rollout/partial_span_max"] <= 1 and "rollout/recycled" in metrics
+
+
+def test_a_job_whose_every_episode_fails_exits_non_zero_with_the_reason(tiny_model, tmp_path, capsys):
+    from agentflow.cli import main
+
+    rc = main(["train", str(ROOT / "configs/demo-blackbox.yaml"), f"model.path={tiny_model}", "sft.enabled=false",
+               "run.steps=2", f"run.dir={tmp_path / 'run'}", "run.progress=false", "eval.episodes=3",
+               "engine.max_len=256", "agent.entry=test_blackbox:_crash"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert "errors 3/3 (first: " in out and "agent exploded" in out  # the console line of the evaluation
+    [line] = [ln for ln in err.splitlines() if ln.startswith("agentflow:")]
+    assert rc != 0 and line.startswith("agentflow: error: ") and "every one of the 3 episodes failed" in line
+    assert "RuntimeError: agent exploded" in line
 
 
 class PauseAfter:

@@ -188,22 +188,63 @@ def test_third_party_framework_pydantic_ai_offline(served):
     assert rec.summary()["spliced_calls"] == 1 and rec.tito_mismatch() == 0
 
 
-def test_new_context_starts_compact_or_subagent_segment_and_root_resumes(served):
-    served.open("seg")
-    client = openai.OpenAI(base_url=served.proxy.base_url("seg"), api_key=served.proxy.api_key)
+def test_segments_root_marked_side_and_retry_and_what_is_trained(served):
+    """Marked new contexts (subagent, compact) are trained; an unmarked one is a ``side`` segment and a re-send of
+    the last call's messages a retry, whose dropped reply moves to a ``retry`` segment: both recorded, not trained,
+    while the conversation goes on in the root segment."""
+    from agentflow.controller import to_samples
+    from agentflow.types import Group, Trajectory
+
+    rec = served.open("seg")
+    client = openai.OpenAI(base_url=served.proxy.base_url("seg"), api_key=served.proxy.api_key, max_retries=0)
     root = [{"role": "user", "content": "What is 2 + 3?"}]
-    r1 = client.chat.completions.create(model=MODEL, messages=root, tools=TOOLS)
-    sub = [{"role": "user", "content": "Summarise: 2 + 3 is 5."}]
-    client.chat.completions.create(model=MODEL, messages=sub, extra_headers={SEGMENT_HEADER: "subagent"})
+    client.chat.completions.create(model=MODEL, messages=root, tools=TOOLS)
+    for kind in ("subagent", "compact"):
+        sub = [{"role": "user", "content": f"Summarise ({kind}): 2 + 3 is 5."}]
+        client.chat.completions.create(model=MODEL, messages=sub, extra_headers={SEGMENT_HEADER: kind})
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=root, extra_headers={SEGMENT_HEADER: "main"})
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Fresh start."}])
-    call = r1.choices[0].message.tool_calls[0]
-    resumed = root + [r1.choices[0].message.model_dump(exclude_none=True)]
+    r2 = client.chat.completions.create(model=MODEL, messages=root, tools=TOOLS)  # the agent asks again
+    call = r2.choices[0].message.tool_calls[0]
+    resumed = root + [r2.choices[0].message.model_dump(exclude_none=True)]
     resumed.append({"role": "tool", "tool_call_id": call.id, "content": "5"})
     client.chat.completions.create(model=MODEL, messages=resumed, tools=TOOLS)
-    rec = served.close_session("seg")
-    assert [s.kind for s in rec.segments] == ["root", "subagent", "compact"]
-    assert [c.segment for c in rec.calls] == [0, 1, 2, 0] and rec.calls[3].spliced
-    assert rec.tito_mismatch() == 0
+    served.close_session("seg")
+    assert bad.value.body["code"] == "invalid_segment" and SEGMENT_HEADER in bad.value.body["message"]
+    assert [s.kind for s in rec.segments] == ["root", "subagent", "compact", "side", "retry"]
+    assert [s.trained for s in rec.segments] == [True, True, True, False, False]
+    # the first reply moved to the retry segment; the retry and the next call continue the root
+    assert [c.segment for c in rec.calls] == [4, 1, 2, 3, 0, 0] and rec.calls[5].spliced
+    assert rec.calls[4].input_ids == rec.calls[0].input_ids and rec.calls[4].new_tokens == 0
+    summary = rec.summary()
+    assert summary["tito_mismatch"] == 0 and summary["untrained_calls"] == 2 and summary["refused_calls"] == 1
+    root_seg, dropped = rec.segments[0], rec.segments[4]
+    lo, hi = rec.calls[0].span
+    assert sum(dropped.loss_mask) == hi - lo and dropped.token_ids[:lo] == root_seg.token_ids[:lo]
+
+    traj = Trajectory("t", "task", "g", "env", segments=rec.segments, turns=rec.turns(), reward=1.0)
+    samples = to_samples([Group("g", 0, [traj])])
+    assert [s.sample_id for s in samples] == ["t/0", "t/1", "t/2"]
+    assert samples[0].turn_rewards[-1] == 0.0 and samples[2].turn_rewards[-1] == 1.0  # the last trained segment's
+    for s in rec.segments:
+        s.trained = True  # as with agent.train_side_calls
+    assert len(to_samples([Group("g", 0, [traj])])) == 5
+
+
+def test_a_resent_older_call_reuses_its_recorded_input(served):
+    rec = served.open("older")
+    client = openai.OpenAI(base_url=served.proxy.base_url("older"), api_key=served.proxy.api_key)
+    first = [{"role": "user", "content": "What is 2 + 3?"}]
+    r1 = client.chat.completions.create(model=MODEL, messages=first, tools=TOOLS)
+    call = r1.choices[0].message.tool_calls[0]
+    second = first + [r1.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": "5"}]  # fmt: skip
+    client.chat.completions.create(model=MODEL, messages=second, tools=TOOLS)
+    client.chat.completions.create(model=MODEL, messages=first, tools=TOOLS)  # back to the first question
+    served.close_session("older")
+    assert [s.kind for s in rec.segments] == ["root", "side"] and [c.segment for c in rec.calls] == [0, 0, 1]
+    assert rec.calls[2].input_ids == rec.calls[0].input_ids and rec.tito_mismatch() == 0
 
 
 def _post(served, path, body, key=None, raw=None):
@@ -257,10 +298,33 @@ def test_refuses_wrong_key_unknown_trajectory_and_stale_attempt(served):
     assert len(served.close_session("auth").calls) == 1
 
 
-def test_context_limit_is_an_openai_error_and_marks_truncation(served):
+def test_context_limit_is_an_openai_error_counted_as_a_refused_call(served):
     served.open("ctx", max_len=24)
     client = openai.OpenAI(base_url=served.proxy.base_url("ctx"), api_key=served.proxy.api_key, max_retries=0)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 2 + 3? " * 10}])
     rec = served.close_session("ctx")
-    assert e.value.body["code"] == "context_length_exceeded" and rec.truncated and not rec.calls
+    assert e.value.body["code"] == "context_length_exceeded" and not rec.calls
+    assert rec.refused == 1 and "context_length_exceeded" in rec.first_refusal
+
+
+def test_unknown_route_and_wrong_method_name_the_route_to_use(served):
+    served.open("rt")
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        plain = _post(served, "/v1/chat/completions", body)  # a client without the trajectory in its base_url
+        missing_v1 = _post(served, "/rt/0/chat/completions", body)
+        headers = {"Authorization": f"Bearer {served.proxy.api_key}"}
+        wrong_method = requests.get(served.proxy.url + "/rt/0/v1/chat/completions", headers=headers, timeout=10)
+    finally:
+        served.close_session("rt")
+    for r in (plain, missing_v1):
+        err = r.json()["error"]
+        assert r.status_code == 404 and set(err) == {"message", "type", "param", "code"}
+        assert err["code"] == "unknown_route"
+        assert "POST /v1/chat/completions is served at /{trajectory_id}/{attempt}/v1/chat/completions" in err["message"]
+    assert f"base_url is {served.proxy.url}/{{trajectory_id}}/{{attempt}}/v1" in plain.json()["error"]["message"]
+    assert f"base URL is {served.proxy.base_url('rt')}" in missing_v1.json()["error"]["message"]
+    err = wrong_method.json()["error"]
+    assert wrong_method.status_code == 405 and err["code"] == "method_not_allowed" and "POST" in err["message"]
+    assert wrong_method.headers["Allow"] == "POST"

@@ -4,8 +4,11 @@ The program is a Python callable (``module:function``, sync or async, given a :c
 subprocess command (given ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``OPENAI_MODEL`` and ``AGENTFLOW_TASK`` in its
 environment). Its answer is the callable's return value or the last non-empty line the subprocess prints; without
 one, the last reply the proxy returned. The env scores the answer (its verifier), so the reward never comes from
-the program. A program that crashes ends the episode ``error``, one that hangs past the timeout ``truncated``
-(killed, with its process group), both with a reason and no reward; the job goes on.
+the program. A call the proxy refuses (a bad request, a context past
+``max_len``) is the program's to handle: it gets the error, the trajectory counts it (``refused_calls``,
+``first_refusal``) and the episode goes on. The episode ends ``error``, with a reason and no reward, only when the
+program fails: it crashes, hangs past the timeout (killed, with its process group; ``timed_out`` in the info) or
+makes no successful model call; the job goes on.
 """
 
 from __future__ import annotations
@@ -172,14 +175,15 @@ class BlackBoxRunner:
         traj.timings["agent_s"] = time.perf_counter() - t
         rec = self.proxy.close(spec.traj_id)
         self._collect(rec, traj)
+        refused = f" ({rec.refused} refused, the first: {rec.first_refusal})" if rec.refused else ""
         if outcome.error is not None:
-            traj.status = "truncated" if outcome.timed_out else "error"
-            traj.reward, traj.error = None, outcome.error
+            traj.status, traj.reward, traj.error = "error", None, outcome.error
+            traj.info["timed_out"] = outcome.timed_out
         elif not rec.calls:
-            traj.status, traj.reward, traj.error = "error", None, "the agent made no model calls"
-        elif tools.done or rec.truncated:  # out of turns (tool steps) or out of context: as the white-box loop
+            traj.status, traj.reward, traj.error = "error", None, "the agent made no model calls" + refused
+        elif tools.done:  # out of turns (tool steps): as the white-box loop
             traj.status, traj.reward = "truncated", 0.0
-            traj.error = rec.truncated or f"no answer within {env.max_turns} turns"
+            traj.error = f"no answer within {env.max_turns} turns"
         else:
             answer = outcome.answer if outcome.answer is not None else (rec.last_reply() or {}).get("content", "")
             _, reward, _, _, step_info = await env.astep(answer_action(answer))
@@ -194,8 +198,11 @@ class BlackBoxRunner:
 
 
 def _attach_observations(traj: Trajectory, steps: list[tuple[str, str]]) -> None:
-    """Tool results in call order onto the turns that asked for that tool call."""
+    """Tool results in call order onto the turns that asked for that tool call (not onto replies the agent dropped
+    by asking again: an agent that asks again has not acted on the reply)."""
     pending = list(steps)
     for turn in traj.turns:
+        if traj.segments[turn.segment].kind == "retry":
+            continue
         if pending and turn.action == pending[0][0]:
             turn.observation = pending.pop(0)[1]

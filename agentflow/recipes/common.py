@@ -125,6 +125,9 @@ def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
         "weight_sync_s_median": sorted(result.sync_s)[len(result.sync_s) // 2] if result.sync_s else None,
         "trajectories_trained": len(result.trained_ids),
         "trajectories_pending": len(job.store.pending_ids()),
+        "rollout_episodes": result.episodes,
+        "rollout_errors": result.errors,
+        "first_rollout_error": result.first_error,
         "evals": result.evals,
         "agent": job.agent.name,
         "kl_reference": job.reference is not None,
@@ -139,3 +142,20 @@ def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
         },
         "runtime": f"ray ({job.runtime.cluster} cluster)" if job.runtime is not None else "local processes",
     }
+
+
+def errors_note(summary: dict[str, Any]) -> str:
+    """``; errors N/M (first: ...)`` for a console line about an evaluation (empty when nothing failed)."""
+    if not summary.get("errors"):
+        return ""
+    return f"; errors {summary['errors']}/{summary['episodes']} (first: {summary.get('first_error')})"
+
+
+def all_failed(summary: dict[str, Any]) -> str | None:
+    """The one-line reason to give when every episode of a job (or an evaluation) ended ``error``; None otherwise.
+
+    ``summary`` holds ``episodes``, ``errors`` and ``first_error`` (an evaluation's pooled summary, or a job's)."""
+    n = summary.get("episodes") or 0
+    if n and summary.get("errors") == n:
+        return f"every one of the {n} episodes failed; the first: {summary.get('first_error')}"
+    return None

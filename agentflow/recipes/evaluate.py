@@ -58,6 +58,7 @@ def pooled(per_source: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "success": sum(s["success"] * s["episodes"] for s in per_source.values()) / n if n else 0.0,
         "episodes": n,
         "errors": sum(s["errors"] for s in per_source.values()),
+        "first_error": next((s["first_error"] for s in per_source.values() if s.get("first_error")), None),
         "per_type": {k: sum(v * e for v, e in xs) / sum(e for _, e in xs) for k, xs in sorted(types.items())},
     }
 

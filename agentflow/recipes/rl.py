@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentflow.builder import Job, build_job
+from agentflow.builder import Job, JobError, build_job
 from agentflow.config import JobConfig, save_config
 from agentflow.controller import rl_loop, save_checkpoint, sync_weights
 from agentflow.files import dump_json
-from agentflow.recipes.common import Log, begin, ensure_model, loop_summary, warm_up
+from agentflow.recipes.common import Log, all_failed, begin, ensure_model, errors_note, loop_summary, warm_up
 from agentflow.recipes.evaluate import evaluate_sources, pooled, scripted_success
 from agentflow.resume import ResumeState, plan_resume
 
@@ -47,11 +47,13 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log: Log, resume:
         )
         before = await _evaluate_before(job, state is not None)
         log(f"before RL: success {before['success']:.3f} {before['per_type']}"
-            + (f" (scripted {scripted['success']:.3f})" if scripted else ""))  # fmt: skip
+            + (f" (scripted {scripted['success']:.3f})" if scripted else "") + errors_note(before))  # fmt: skip
+        if (reason := all_failed(before)) is not None:  # the agent or env is broken: RL would learn nothing
+            raise JobError(f"held-out evaluation before RL: {reason}")
         result = await rl_loop(job, state, evaluate=lambda: _success(job))
         after_sources = await evaluate_sources(job.rollouts, cfg)
         after = pooled(after_sources)
-        log(f"after RL:  success {after['success']:.3f} {after['per_type']}")
+        log(f"after RL:  success {after['success']:.3f} {after['per_type']}" + errors_note(after))
         await save_checkpoint(job, result)
         loop = loop_summary(job, result)
     return {
@@ -67,6 +69,10 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log: Log, resume:
         },  # fmt: skip
         "eval_episodes": cfg.eval.episodes,
         "eval_errors": {"before": before["errors"], "after": after["errors"]},
+        # every episode the job played (evaluations and trained batches) and the ones that ended ``error``
+        "episodes": before["episodes"] + after["episodes"] + loop["rollout_episodes"],
+        "errors": before["errors"] + after["errors"] + loop["rollout_errors"],
+        "first_error": before.get("first_error") or loop["first_rollout_error"] or after.get("first_error"),
         "resumed_from": str(state.checkpoint) if state and state.checkpoint else None,
         "restored_trajectories": sum(len(g.trajectories) for g in state.groups) if state else 0,
     }
