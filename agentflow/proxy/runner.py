@@ -1,10 +1,10 @@
 """Plays one episode with a black-box agent program: env reset, the program against the proxy, the env's verifier.
 
-The program is a Python callable (``module:function``, sync or async, given a :class:`BlackBoxTask`) or a
-subprocess command (given ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``OPENAI_MODEL`` and ``AGENTFLOW_TASK`` in its
-environment). Its answer is the callable's return value or the last non-empty line the subprocess prints; without
-one, the last reply the proxy returned. The env scores the answer (its verifier), so the reward never comes from
-the program. A call the proxy refuses (a bad request, a context past
+The program is a Python callable (``module:function``, sync or async, given a :class:`BlackBoxTask`) or a subprocess
+command (given ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` / ``OPENAI_MODEL``, the same as ``ANTHROPIC_*`` for
+Anthropic clients, and ``AGENTFLOW_TASK`` in its environment). Its answer is the callable's return value or the last
+non-empty line the subprocess prints; without one, the last reply the proxy returned. The env scores the answer (its
+verifier), so the reward never comes from the program. A call the proxy refuses (a bad request, a context past
 ``max_len``) is the program's to handle: it gets the error, the trajectory counts it (``refused_calls``,
 ``first_refusal``) and the episode goes on. The episode ends ``error``, with a reason and no reward, only when the
 program fails: it crashes, hangs past the timeout (killed, with its process group; ``timed_out`` in the info) or
@@ -75,6 +75,9 @@ class SubprocessProgram:
     async def __call__(self, task: BlackBoxTask, timeout: float) -> Outcome:
         env = {**os.environ, **self.env, "OPENAI_BASE_URL": task.base_url, "OPENAI_API_KEY": task.api_key,
                "OPENAI_MODEL": task.model, "AGENTFLOW_TASK": json.dumps(task.to_json_dict())}  # fmt: skip
+        if task.anthropic_base_url:  # for programs on Anthropic's SDK (which reads these itself)
+            env.update(ANTHROPIC_BASE_URL=task.anthropic_base_url, ANTHROPIC_API_KEY=task.api_key,
+                       ANTHROPIC_MODEL=task.model)  # fmt: skip
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -169,6 +172,7 @@ class BlackBoxRunner:
             max_turns=env.max_turns,
             tools_url=self.proxy.tools_url(spec.traj_id, attempt),
             call_tool=tools,
+            anthropic_base_url=self.proxy.anthropic_base_url(spec.traj_id, attempt),
         )
         t = time.perf_counter()
         outcome = await self.program(task, self.timeout_s)

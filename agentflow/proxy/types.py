@@ -64,7 +64,8 @@ class BlackBoxTask:
     """What a black-box agent program gets for one episode.
 
     A Python agent receives this object; a subprocess agent gets ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
-    ``OPENAI_MODEL`` in its environment and the rest as JSON in ``AGENTFLOW_TASK`` (tools it may call over HTTP at
+    ``OPENAI_MODEL`` (and ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``, ``ANTHROPIC_MODEL`` for Anthropic clients)
+    in its environment and the rest as JSON in ``AGENTFLOW_TASK`` (tools it may call over HTTP at
     ``tools_url + "/" + name``). The env's own tools are optional: a program may use its own.
     """
 
@@ -80,6 +81,16 @@ class BlackBoxTask:
     tools_url: str
     call_tool: ToolHandler | None = None
     """Runs one of the env's tools (Python agents); raises ``RuntimeError`` after the episode ended."""
+    anthropic_base_url: str = ""
+    """The ``base_url`` of an Anthropic client (Messages API at ``anthropic_base_url + "/v1/messages"``); the same
+    key and model as ``base_url``."""
+
+    def anthropic_tools(self) -> list[dict[str, Any]]:
+        """The env's tools in Anthropic's ``tools`` format (``name``, ``description``, ``input_schema``)."""
+        fns = [t["function"] for t in self.tools]
+        return [
+            {"name": f["name"], "description": f.get("description", ""), "input_schema": f["parameters"]} for f in fns
+        ]
 
     def to_json_dict(self) -> dict[str, Any]:
         keys = ("trajectory_id", "model", "messages", "tools", "max_turns", "tools_url")
