@@ -193,7 +193,7 @@ def _vocab_masks(seg: Segment, model_dir: str | Path | None, where: str) -> list
     if model_dir is None:
         raise ValueError(f"segment {where} was sampled under a grammar: to_samples needs the policy's model_dir")
     try:
-        return segment_vocab_masks(seg.token_ids, seg.constraints, grammars_for(str(model_dir)))
+        return segment_vocab_masks(seg.token_ids, seg.logprobs, seg.constraints, grammars_for(str(model_dir)))
     except ConstraintMismatch as e:  # the engine masked differently: its log-probs cannot be reproduced
         raise ConstraintMismatch(f"segment {where}: {e}") from None
 

@@ -38,6 +38,26 @@ Counter = Callable[[str], int]
 """Tokens of a piece of reply text."""
 
 
+#: Every grammar ends the turn with this special token itself rather than leaving the end to the engine's EOS set:
+#: engines disagree on which ids count as EOS (SGLang takes the tokenizer's one), and the mask at the last
+#: position must be the same everywhere for the trainer's replay to reproduce its log-prob.
+END = "<|im_end|>"
+
+
+#: First line of a grammar whose forced text must be spelled in canonical tokens (a Lark comment: other engines
+#: read the grammar the same, and the replay knows how the tokens were masked).
+CANONICAL = "// forced text in canonical tokens\n"
+
+
+def is_canonical(lark: str) -> bool:
+    return lark.startswith(CANONICAL)
+
+
+def canonical(grammar: Grammar) -> Grammar:
+    """The grammar marked for canonical forcing (:meth:`Grammars.mask_into`)."""
+    return grammar if is_canonical(grammar.lark) else Grammar(CANONICAL + grammar.lark, grammar.kind, grammar.bounds)
+
+
 class GrammarError(ValueError):
     """A schema or grammar llguidance cannot compile; the message names the problem."""
 
@@ -86,7 +106,7 @@ def request_grammar(
     if not tools:
         return None
     if mode == "none":
-        return Grammar("start: TEXT?\nTEXT: /(.|\\n)+/\n", "text")
+        return Grammar(f"start: TEXT? {END}\nTEXT: /(.|\\n)+/\n", "text")
     strict = any(t["function"].get("strict") for t in offered)
     if mode == "auto" and not strict and parallel and len(offered) == len(tools) and response_format is None:
         return None  # free text or any calls, parsed afterwards
@@ -97,9 +117,9 @@ def request_grammar(
     calls = "call+" if parallel and mode == "auto" else "call"
     head = "call: " + " | ".join(f"call_{i}" for i in range(len(offered)))
     if mode == "required":
-        start = f"start: {calls}"
+        start = f"start: {calls} {END}"
     else:
-        start = f"start: TEXT | TEXT? {calls}\nTEXT: /(.|\\n)+/"
+        start = f"start: (TEXT | TEXT? {calls}) {END}\nTEXT: /(.|\\n)+/"
     kind = "tool_call" if mode == "required" else "auto"
     return Grammar("\n".join([start, head, *rules]) + "\n", kind, bounds)
 
@@ -133,7 +153,7 @@ def _json_grammar(response_format: dict[str, Any], budget: int, count: Counter) 
         schema, strict = response_format["schema"], bool(response_format.get("strict"))
     bounded, added = bound_schema(schema, budget, lambda text: count(text + "<|im_end|>"))
     style = dict(_JSON_STYLE, lenient=not strict)
-    return Grammar(f"start: %json {json.dumps({**bounded, 'x-guidance': style})}\n", "json", added)
+    return Grammar(f"start: %json {json.dumps({**bounded, 'x-guidance': style})} {END}\n", "json", added)
 
 
 def bound_schema(
@@ -276,42 +296,64 @@ class Grammars:
     def check(self, lark: str) -> None:
         self.matcher(lark)
 
-    def mask_into(self, matcher: Any, out: torch.Tensor) -> None:
+    def mask_into(self, matcher: Any, out: torch.Tensor, canonical: bool = False) -> None:
         """Write the matcher's next-token bitmask into the int32 row ``out [words]``.
 
-        Where the grammar forces the next bytes (a tool's name, the JSON punctuation), only the first token of
-        their canonical tokenization is allowed: a model free to spell forced text in any tokenization (a random
-        one picks single characters) would spend several times the tokens the budget was sized for.
+        ``canonical`` (grammars marked with :data:`CANONICAL`): where the grammar forces the next bytes (a tool's
+        name, the JSON punctuation), only the first token of their canonical tokenization is allowed. A model free
+        to spell forced text in any tokenization (a random one picks single characters) would spend several times
+        the tokens the budget was sized for. Engines that mask by plain llguidance (SGLang) get unmarked grammars.
         """
         matcher.unsafe_compute_mask_ptr(out.data_ptr(), out.numel() * 4)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
-        forced = matcher.compute_ff_tokens()
+        forced = matcher.compute_ff_tokens() if canonical else None
         if forced:
             out.zero_()
             out[forced[0] // 32] = _bit(forced[0] % 32)
 
-    def replay(self, lark: str, tokens: list[int]) -> torch.Tensor:
-        """The bitmask each of ``tokens`` was drawn under, ``[len(tokens), words]`` int32; raises
-        :class:`ConstraintMismatch` when a token was not allowed (its log-prob could not be reproduced)."""
-        m = self.matcher(lark)
+    def replay(self, lark: str, tokens: list[int], logprobs: list[float] | None = None) -> torch.Tensor:
+        """The bitmask each of ``tokens`` was drawn under, ``[len(tokens), words]`` int32.
+
+        A :data:`CANONICAL` grammar (our engine) replays exactly. Otherwise (SGLang, which jumps over forced grammar
+        text in tokens of its own choosing) the recorded ``logprobs`` say where the engine forced a token: a token
+        drawn with probability 1 gets a mask of that token alone (the grammar must accept it). Raises
+        :class:`ConstraintMismatch` when a token is not allowed, or when the replay allows one token where the
+        engine drew from several: either way the trainer could not reproduce the log-prob.
+        """
+        m, canonical = self.matcher(lark), is_canonical(lark)
         masks = torch.zeros(len(tokens), self.words, dtype=torch.int32)
         for i, tok in enumerate(tokens):
-            self.mask_into(m, masks[i])
-            if not (int(masks[i, tok // 32]) >> (tok % 32)) & 1 or not m.consume_token(tok):
+            self.mask_into(m, masks[i], canonical)
+            forced = not canonical and logprobs is not None and logprobs[i] > -1e-6
+            allowed_here = bool((int(masks[i, tok // 32]) >> (tok % 32)) & 1)
+            if forced:
+                masks[i].zero_()
+                masks[i, tok // 32] = _bit(tok % 32)
+            elif not allowed_here:
+                raise ConstraintMismatch(f"token {tok} at position {i} is not allowed by the grammar")
+            elif not canonical and logprobs is not None and _single(masks[i]):
+                raise ConstraintMismatch(f"token {tok} at position {i}: the grammar forces it, the engine did not")
+            if not m.consume_token(tok):
                 raise ConstraintMismatch(f"token {tok} at position {i} is not allowed by the grammar")
         return masks
 
 
 def segment_vocab_masks(
-    token_ids: list[int], constraints: list[tuple[int, int, str]], grammars: Grammars
+    token_ids: list[int], logprobs: list[float], constraints: list[tuple[int, int, str]], grammars: Grammars
 ) -> list[tuple[int, bytes]]:
     """``Sample.vocab_masks`` of a segment: for every token sampled under a grammar, its position and bitmask."""
     out: list[tuple[int, bytes]] = []
     for start, end, lark in constraints:
-        masks = grammars.replay(lark, token_ids[start:end])
+        masks = grammars.replay(lark, token_ids[start:end], logprobs[start:end])
         out.extend((start + k, masks[k].numpy().tobytes()) for k in range(end - start))
     return out
+
+
+def _single(row: torch.Tensor) -> bool:
+    """Whether a bitmask row allows exactly one token."""
+    bits = [int(w) & 0xFFFFFFFF for w in row.tolist() if w]
+    return len(bits) == 1 and bits[0] & (bits[0] - 1) == 0
 
 
 def _bit(j: int) -> int:

@@ -87,6 +87,7 @@ def start_server(work: Path, model_dir: Path | None = None, extra: tuple[str, ..
     cmd = [str(venv / "bin" / "python"), "-m", "sglang.launch_server", "--model-path", str(model_dir)]
     cmd += ["--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32"]
     cmd += ["--mem-fraction-static", "0.05", "--max-total-tokens", "8192", "--disable-cuda-graph"]
+    cmd += ["--grammar-backend", "llguidance"]  # reads our Lark grammars and masks as our replay does
     cmd += ["--sleep-on-idle", *extra]  # an idle server would otherwise keep half a core busy for the whole session
     log = work / "sglang-server.log"
     t0 = time.monotonic()

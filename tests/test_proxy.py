@@ -32,6 +32,10 @@ class Recording:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
+    @property
+    def canonical_forcing(self) -> bool:
+        return self.engine.canonical_forcing
+
     async def generate(self, input_ids, sampling, rid=None, on_token=None):
         res = await self.engine.generate(input_ids, sampling, rid, on_token=on_token)
         self.calls.append((list(input_ids), res))

@@ -63,6 +63,9 @@ class EmbeddedEngine(DecodeLoop):
     weight updates (stale KV, off by default: an update flushes the prefix cache).
     """
 
+    canonical_forcing = True
+    """Grammars marked ``agentflow.structured.CANONICAL`` spell forced text in canonical tokens here."""
+
     def __init__(
         self,
         model_dir: str | Path,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from agentflow.structured import Grammars, allowed, grammars_for
+from agentflow.structured import Grammars, allowed, grammars_for, is_canonical
 from agentflow.types import SamplingParams
 
 
@@ -25,6 +25,8 @@ class RequestRules:
     stop: tuple[str, ...] = ()
     tail_tokens: int = 0
     """Output tokens decoded to look for a stop string (enough to hold the longest one)."""
+    canonical: bool = False
+    """Forced text in canonical tokens only (``agentflow.structured.CANONICAL``)."""
 
 
 class OutputRules:
@@ -54,7 +56,8 @@ class OutputRules:
             except ValueError as e:
                 raise ValueError(f"invalid grammar: {e}") from None
         longest = max((len(s.encode()) for s in sampling.stop), default=0)
-        return RequestRules(matcher, tuple(sampling.stop), longest + 2)
+        marked = sampling.grammar is not None and is_canonical(sampling.grammar)
+        return RequestRules(matcher, tuple(sampling.stop), longest + 2, marked)
 
     def mask(self, logits: torch.Tensor, rules: list[RequestRules | None]) -> tuple[torch.Tensor, list[str | None]]:
         """``logits [B, V]`` with each row masked by its grammar (a new tensor: the model's are inference
@@ -66,7 +69,9 @@ class OutputRules:
         words = torch.zeros(len(rows), self.grammars.words, dtype=torch.int32)
         for j, i in enumerate(rows):
             try:
-                self.grammars.mask_into(rules[i].matcher, words[j])  # type: ignore[union-attr]
+                rule = rules[i]
+                assert rule is not None
+                self.grammars.mask_into(rule.matcher, words[j], rule.canonical)
             except ValueError as e:
                 errors[i] = f"grammar error: {e}"
         ok = allowed(words, logits.shape[-1])

@@ -38,6 +38,9 @@ _NEUTRAL: dict[str, Any] = {
     "beam_width": 1,
 }
 _SUPPORTED = {
+    "ebnf",
+    "json_schema",
+    "regex",
     "max_new_tokens",
     "stop",
     "stop_token_ids",
@@ -238,6 +241,7 @@ def _sampling(sp: Any, eos_ids: tuple[int, ...]) -> tuple[SamplingParams, list[s
     seed = sp.get("sampling_seed")
     if seed is not None and not _is_int(seed):
         raise error_message(f"sampling_seed must be an int, got {seed!r}.")
+    grammar = _grammar(sp)
     # as SGLang: ignore_eos switches off stop_token_ids too (only max_new_tokens and stop strings end the request)
     stops = () if sp.get("ignore_eos") else (*stop_ids, *eos_ids)
     params = SamplingParams(
@@ -247,8 +251,27 @@ def _sampling(sp: Any, eos_ids: tuple[int, ...]) -> tuple[SamplingParams, list[s
         max_new_tokens=max_new,
         stop_token_ids=tuple(dict.fromkeys(stops)),
         seed=seed,
+        grammar=grammar,
     )
     return params, stop, n
+
+
+def _grammar(sp: dict[str, Any]) -> str | None:
+    """The Lark grammar of ``ebnf`` (read as SGLang's llguidance backend reads it: Lark), ``json_schema`` or
+    ``regex``; at most one of them, as SGLang allows."""
+    given = {k: sp[k] for k in ("ebnf", "json_schema", "regex") if sp.get(k) is not None}
+    if len(given) > 1:
+        raise error_message("Only one of regex, json_schema, or ebnf can be set.")
+    if not given:
+        return None
+    ((key, text),) = given.items()
+    if not isinstance(text, str):
+        raise error_message(f"{key} must be a string.")
+    if key == "ebnf":
+        return text
+    if key == "regex":
+        return f"start: /{text.replace('/', chr(92) + '/')}/\n"
+    return f"start: %json {text}\n"
 
 
 def parse_generate(

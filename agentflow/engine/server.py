@@ -195,6 +195,7 @@ class SGLangServer(GenerateRoutes, WeightRoutes):
                 "dtype": "float32",
                 "device": "cpu",
                 "disable_radix_cache": not self.engine.prefix_cache,
+                "grammar_backend": "llguidance",  # ebnf is read as Lark, as SGLang's llguidance backend reads it
                 "weight_version": self._label(),
                 "version": SERVER_VERSION,
                 "transfer_mesh": True,  # verifies TransferMesh buckets (a plain SGLang server would skip them)

@@ -59,6 +59,10 @@ def parse_generate_reply(data: dict[str, Any], rid: str | None = None) -> Genera
     logprobs += [0.0] * (len(ids) - len(logprobs))
     current = P.parse_version(meta.get("weight_version", P.DEFAULT_VERSION_LABEL))
     reason = (meta.get("finish_reason") or {}).get("type", "abort")
+    rows = meta.get("output_top_logprobs")
+    top = None
+    if rows:  # per token: [logprob, id, text] alternatives (tokens a grammar forbade come back as -inf or null)
+        top = [[(int(t[1]), float(t[0])) for t in row or [] if t[0] is not None] for row in rows][: len(ids)]
     return GenerateResult(
         rid=str(meta.get("id", rid)),
         output_ids=ids,
@@ -67,6 +71,7 @@ def parse_generate_reply(data: dict[str, Any], rid: str | None = None) -> Genera
         finish_reason=reason if reason in ("stop", "length", "abort") else "abort",
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens") or 0),
+        top_logprobs=top,
     )
 
 
@@ -112,6 +117,11 @@ def sampling_json(s: SamplingParams) -> dict[str, Any]:
     }
     if s.seed is not None:
         out["sampling_seed"] = s.seed
+    if s.stop:
+        out["stop"] = list(s.stop)
+        out["no_stop_trim"] = True  # the ids and text of the stop string stay, as the embedded engine keeps them
+    if s.grammar is not None:
+        out["ebnf"] = s.grammar  # the llguidance backend reads Lark here (checked by SGLangEngine)
     return out
 
 
@@ -246,9 +256,11 @@ class SGLangEngine(SGLangWeightUpdates):
         return self._run(self._generate(list(input_ids), sampling or SamplingParams(), rid or uuid.uuid4().hex))
 
     async def _generate(self, ids: list[int], sampling: SamplingParams, rid: str) -> GenerateResult:
-        if sampling.seed is not None:
-            await self._check_seeds()
+        if sampling.seed is not None or sampling.grammar is not None:
+            await self._check_settings(sampling)
         body = {"input_ids": ids, "sampling_params": sampling_json(sampling), "return_logprob": True, "rid": rid}
+        if sampling.top_logprobs:
+            body["top_logprobs_num"] = sampling.top_logprobs
         status, data = await self._routed(rid.split(":", 1)[0], rid, "/generate", body)
         if status != 200:
             raise self._error(status, data)
@@ -369,12 +381,27 @@ class SGLangEngine(SGLangWeightUpdates):
             self._infos = [d if isinstance(d, dict) else {} for _, d in self._broadcast("/server_info", method="GET")]
         return self._infos
 
-    async def _check_seeds(self) -> None:
+    async def _check_settings(self, sampling: SamplingParams) -> None:
         """A seeded request needs servers that honour ``sampling_seed``: SGLang ignores it unless started with
-        ``--enable-deterministic-inference`` (our servers always honour it)."""
+        ``--enable-deterministic-inference`` (our servers always honour it). A constrained one needs the
+        llguidance grammar backend (``--grammar-backend llguidance``): it reads our Lark grammars, and masks
+        exactly as the trainer's replay does."""
         if self._infos is None:
             replies = await asyncio.gather(*(self._request(s, "GET", "/server_info") for s in self.servers))
             self._infos = [d if isinstance(d, dict) else {} for _, d in replies]
+        if sampling.grammar is not None:
+            other = [
+                f"{s.url} ({i.get('grammar_backend')})"
+                for s, i in zip(self.servers, self._infos, strict=True)
+                if i.get("grammar_backend") != "llguidance"
+            ]
+            if other:
+                raise ValueError(
+                    f"constrained decoding needs SGLang's llguidance grammar backend; server(s) {other} run "
+                    "another: start them with --grammar-backend llguidance"
+                )
+        if sampling.seed is None:
+            return
         off = [
             s.url
             for s, i in zip(self.servers, self._infos, strict=True)

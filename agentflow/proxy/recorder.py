@@ -21,7 +21,7 @@ from typing import Any
 from agentflow.chat import IM_END, ChatTokenizer, parse_reply, render_conversation
 from agentflow.proxy.types import SEGMENT_HEADER, CallRecord, ProxyError
 from agentflow.proxy.wire import ChatRequest, message_key, new_id
-from agentflow.structured import Grammar, GrammarError, request_grammar
+from agentflow.structured import Grammar, GrammarError, canonical, request_grammar
 from agentflow.types import GenerateResult, SamplingParams, Segment, SegmentKind, Turn
 from envs.core import answer_action, tool_action
 
@@ -77,6 +77,8 @@ class Recorder:
     temperature, which the trainer reproduces)."""
     train_side_calls: bool = False
     """Train ``side`` and ``retry`` segments too (``agent.train_side_calls``)."""
+    canonical_forcing: bool = False
+    """The engine spells grammar-forced text in canonical tokens (the embedded one; not SGLang)."""
     open: list[_Open] = field(default_factory=list)
     calls: list[CallRecord] = field(default_factory=list)
     refused: int = 0
@@ -160,6 +162,8 @@ class Recorder:
         s = replace(self.sampling, max_new_tokens=plan.max_new_tokens)
         s = replace(s, stop_token_ids=tuple(s.stop_token_ids) or self.tokenizer.stop_ids)
         plan.grammar = _grammar(req, plan.max_new_tokens, self.tokenizer)
+        if plan.grammar is not None and self.canonical_forcing:
+            plan.grammar = canonical(plan.grammar)
         s = replace(s, stop=req.stop, top_logprobs=req.top_logprobs if req.logprobs else 0,
                     grammar=plan.grammar.lark if plan.grammar else None)  # fmt: skip
         if self.client_sampling:

@@ -153,6 +153,7 @@ class ProxyServer:
         rec = Recorder(
             trajectory_id, attempt, self.tokenizer, sampling, max_len, client_sampling, self.train_side_calls
         )
+        rec.canonical_forcing = bool(getattr(self.engine, "canonical_forcing", False))
         self._sessions[trajectory_id] = (attempt, _Session(rec, tool_handler))
         return rec
 
