@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -99,9 +100,7 @@ def request_grammar(
     elif tool_choice in ("none", "required"):
         mode = tool_choice
     offered = [t for t in tools if t["function"]["name"] in allowed]
-    if response_format is not None and (mode == "required" or not tools or mode == "none"):
-        if mode == "required":
-            raise GrammarError("response_format cannot be combined with a forced tool call")
+    if response_format is not None and (not tools or mode == "none"):
         return _json_grammar(response_format, budget, count)
     if not tools:
         return None
@@ -116,8 +115,12 @@ def request_grammar(
     rules = [_call_rule(i, t, budget, bounds, count) for i, t in enumerate(offered)]
     calls = "call+" if parallel and mode == "auto" else "call"
     head = "call: " + " | ".join(f"call_{i}" for i in range(len(offered)))
-    if mode == "required":
+    if mode == "required":  # a forced call has no text for a response_format to shape (OpenAI accepts both)
         start = f"start: {calls} {END}"
+    elif response_format is not None:  # the reply's text, when it has any, is the response_format's JSON
+        reply, added = _json_rule(response_format, budget, count)
+        bounds.update({k: min(bounds.get(k, v), v) for k, v in added.items()})
+        start = f"start: (reply | {calls}) {END}\nreply: {reply}"
     else:
         start = f"start: (TEXT | TEXT? {calls}) {END}\nTEXT: /(.|\\n)+/"
     kind = "tool_call" if mode == "required" else "auto"
@@ -146,6 +149,12 @@ def _call_rule(i: int, tool: dict[str, Any], budget: int, bounds: dict[str, int]
 
 
 def _json_grammar(response_format: dict[str, Any], budget: int, count: Counter) -> Grammar:
+    reply, added = _json_rule(response_format, budget, count)
+    return Grammar(f"start: {reply} {END}\n", "json", added)
+
+
+def _json_rule(response_format: dict[str, Any], budget: int, count: Counter) -> tuple[str, dict[str, int]]:
+    """The ``%json`` expression of a ``response_format`` bounded to the budget, and the bounds it added."""
     if response_format["type"] == "json_object":
         schema: dict[str, Any] = {"type": "object"}
         strict = False
@@ -153,7 +162,7 @@ def _json_grammar(response_format: dict[str, Any], budget: int, count: Counter) 
         schema, strict = response_format["schema"], bool(response_format.get("strict"))
     bounded, added = bound_schema(schema, budget, lambda text: count(text + "<|im_end|>"))
     style = dict(_JSON_STYLE, lenient=not strict)
-    return Grammar(f"start: %json {json.dumps({**bounded, 'x-guidance': style})} {END}\n", "json", added)
+    return f"%json {json.dumps({**bounded, 'x-guidance': style})}", added
 
 
 def bound_schema(
@@ -270,6 +279,10 @@ def _bound(node: Any, length: int, added: dict[str, int], depth: int, items: int
 # --------------------------------------------------------------------------------------------- matchers and masks
 
 
+_CACHED = 64
+"""Compiled grammars a :class:`Grammars` keeps."""
+
+
 class ConstraintMismatch(RuntimeError):
     """A recorded token the grammar does not allow (the engine masked differently than the replay)."""
 
@@ -283,15 +296,28 @@ class Grammars:
         self.n_vocab = n_vocab
         self.words = (n_vocab + 31) // 32
         self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=list(eos_ids))
+        self._compiled: dict[str, Any] = {}
+        self._lock = threading.Lock()
 
     def matcher(self, lark: str) -> Any:
-        """A fresh matcher at the grammar's start; raises :class:`GrammarError` when the grammar is invalid."""
+        """A fresh matcher at the grammar's start; raises :class:`GrammarError` when the grammar is invalid.
+
+        Compiled grammars are kept (the last :data:`_CACHED` of them) and copied: an agent's calls share one, and
+        compiling takes a millisecond or more where a copy takes microseconds.
+        """
         from llguidance import LLMatcher
 
-        m = LLMatcher(self.tokenizer, LLMatcher.grammar_from_lark(lark), log_level=0)
-        if m.is_error():
-            raise GrammarError(m.get_error())
-        return m
+        with self._lock:
+            start = self._compiled.pop(lark, None)
+        if start is None:
+            start = LLMatcher(self.tokenizer, LLMatcher.grammar_from_lark(lark), log_level=0)
+            if start.is_error():
+                raise GrammarError(start.get_error())
+        with self._lock:
+            self._compiled[lark] = start
+            while len(self._compiled) > _CACHED:
+                self._compiled.pop(next(iter(self._compiled)))
+        return start.deep_copy()
 
     def check(self, lark: str) -> None:
         self.matcher(lark)

@@ -10,6 +10,10 @@ after the tool's result (``tests/test_proxy_model.py``), on the real embedded en
    the black-box runner's ``SubprocessProgram``), each asking 3 questions and so making 3 tool calls (6 chat calls),
    all started at once; reports calls in flight at the proxy, wall time, and that every call was recorded (none
    lost, ``tito_mismatch`` 0 in every trajectory).
+3. Constrained decoding: decode throughput of the demo model (``agentflow model init`` defaults, 3.2M parameters)
+   on the embedded engine, a batch of forced tool calls (a strict schema: the llguidance mask computed, applied
+   and the matcher advanced every token) against the same batch unconstrained, rounds alternated; the ratio of
+   median generated tokens/s is the cost of constraining.
 
 Writes ``benchmarks/results/proxy.json`` and ``proxy.png``.
 
@@ -27,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -221,13 +226,86 @@ def _load_summary(
     }
 
 
+CONSTRAINED_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "book_table",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "people": {"type": "integer", "minimum": 1, "maximum": 12},
+                "note": {"type": "string"},
+                "tags": {"type": "array", "items": {"type": "string", "enum": ["quiet", "window", "late"]}},
+            },
+            "required": ["name", "people", "note", "tags"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def constrained(model_dir: Path, batch: int, rounds: int, new_tokens: int) -> dict[str, Any]:
+    """Generated tokens/s of a batch with and without a forced-tool-call grammar (same prompts, same budget)."""
+    from agentflow.chat import ChatTokenizer
+    from agentflow.engine.embedded import EmbeddedEngine
+    from agentflow.structured import canonical, request_grammar
+    from agentflow.types import SamplingParams
+
+    tok = ChatTokenizer(model_dir)
+    grammar = canonical(request_grammar([CONSTRAINED_TOOL], "required", False, None, new_tokens,
+                                        lambda t: len(tok.encode(t))))  # fmt: skip
+    prompt = tok.prompt_ids("Be brief.", "Book a table for four by the window.", [CONSTRAINED_TOOL])
+    plain = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)  # no stop ids: runs the whole budget
+    forced = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=tok.stop_ids,
+                            grammar=grammar.lark)  # fmt: skip
+    rates: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
+    lengths: list[int] = []
+    with EmbeddedEngine(model_dir, max_slots=batch, max_len=1024, prefix_cache=False) as engine:
+        engine.generate_sync(prompt, plain)  # warm-up
+        for _ in range(rounds):
+            # Constrained replies end when their grammar does, so the unconstrained batch is given the same
+            # lengths, request by request: both batches shrink alike, and the ratio is the per-token cost.
+            t0 = time.perf_counter()
+            done = [f.result() for f in [engine.submit(prompt, forced) for _ in range(batch)]]
+            rates["constrained"].append(sum(len(x.output_ids) for x in done) / (time.perf_counter() - t0))
+            sizes = [len(x.output_ids) for x in done]
+            lengths += sizes
+            t0 = time.perf_counter()
+            futs = [engine.submit(prompt, replace(plain, max_new_tokens=n)) for n in sizes]
+            same = [f.result() for f in futs]
+            rates["unconstrained"].append(sum(len(x.output_ids) for x in same) / (time.perf_counter() - t0))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {
+        "model": str(model_dir),
+        "batch": batch,
+        "rounds": rounds,
+        "max_new_tokens": new_tokens,
+        "tokens_per_s_unconstrained": round(med["unconstrained"], 1),
+        "tokens_per_s_constrained": round(med["constrained"], 1),
+        "throughput_ratio": round(med["constrained"] / med["unconstrained"], 3),
+        "constrained_reply_tokens_median": statistics.median(lengths),
+        "rates": {k: [round(x, 1) for x in v] for k, v in rates.items()},
+        "note": "ratio of median generated tokens/s, constrained over unconstrained, same prompt; each "
+        "unconstrained request generates as many tokens as its constrained twin did",
+    }
+
+
+def _demo_model(tmp: Path) -> Path:
+    from agentflow.model_init import ModelInitConfig, init_model
+
+    demo = ROOT / "runs" / "models" / "demo-init"
+    return demo if (demo / "config.json").is_file() else init_model(tmp / "demo-init", ModelInitConfig())
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     o = result["overhead"]
     a.hist(o["samples_ms"], bins=30)
     a.axvline(o["overhead_p50_ms"], color="k", ls="--", label=f"p50 {o['overhead_p50_ms']:.2f} ms")
@@ -239,6 +317,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
     b.plot([t for t, _ in ts], [n for _, n in ts])
     title = f"{ld['concurrent_episodes']} agents, max in flight {ld['max_in_flight']}, lost {ld['lost_calls']}"
     b.set(xlabel="s", ylabel="chat calls in flight at the proxy", title=title)
+    cd = result["constrained"]
+    c.bar(["unconstrained", "constrained"], [cd["tokens_per_s_unconstrained"], cd["tokens_per_s_constrained"]])
+    c.set(ylabel="generated tokens/s (median)", title=f"demo model, batch {cd['batch']}: "
+          f"ratio {cd['throughput_ratio']:.2f}")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -279,6 +361,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else train_tool_model(Path(tmp) / "tool-model")
         result = {"quick": args.quick, **asyncio.run(run(model_dir, args))}
+        rounds = 3 if args.quick else 7
+        result["constrained"] = constrained(_demo_model(Path(tmp)), 32, rounds, 96)
+    result["constrained_throughput_ratio"] = result["constrained"]["throughput_ratio"]
     result["overhead_p50_ms"] = result["overhead"]["overhead_p50_ms"]
     result["concurrent_episodes"] = result["load"]["concurrent_episodes"]
     result["max_in_flight"] = result["load"]["max_in_flight"]
@@ -287,7 +372,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
-    keys = ("overhead_p50_ms", "concurrent_episodes", "max_in_flight", "lost_calls")
+    keys = ("overhead_p50_ms", "concurrent_episodes", "max_in_flight", "lost_calls", "constrained_throughput_ratio")
     print(json.dumps({k: result[k] for k in keys} | {"wall_s": result["load"]["wall_s"]}))
 
 

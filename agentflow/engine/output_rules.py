@@ -7,6 +7,7 @@ tail of the output; top log-probs come from the same tempered, masked distributi
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -14,7 +15,11 @@ from typing import Any
 import torch
 
 from agentflow.structured import Grammars, allowed, grammars_for, is_canonical
+from agentflow.threads import DaemonExecutor
 from agentflow.types import SamplingParams
+
+PendingMasks = tuple[list[int], torch.Tensor, list[str | None]]
+"""Rows with a grammar, which tokens each allows (bool ``[rows, vocab]``), and per request an error or None."""
 
 
 @dataclass(eq=False)
@@ -59,29 +64,41 @@ class OutputRules:
         marked = sampling.grammar is not None and is_canonical(sampling.grammar)
         return RequestRules(matcher, tuple(sampling.stop), longest + 2, marked)
 
-    def mask(self, logits: torch.Tensor, rules: list[RequestRules | None]) -> tuple[torch.Tensor, list[str | None]]:
-        """``logits [B, V]`` with each row masked by its grammar (a new tensor: the model's are inference
-        tensors), and per row an error or None."""
+    def start(self, rules: list[RequestRules | None]) -> Future[PendingMasks]:
+        """Compute the rows' bitmasks on a helper thread (llguidance runs outside the GIL), so that they are
+        ready when the model's forward pass, running meanwhile, is: masks depend only on tokens already sampled."""
+        return self._worker.submit(self.compute, rules)
+
+    def compute(self, rules: list[RequestRules | None]) -> PendingMasks:
         rows = [i for i, r in enumerate(rules) if r is not None and r.matcher is not None]
         errors: list[str | None] = [None] * len(rules)
-        if not rows:
-            return logits, errors
         words = torch.zeros(len(rows), self.grammars.words, dtype=torch.int32)
         for j, i in enumerate(rows):
+            rule = rules[i]
+            assert rule is not None
             try:
-                rule = rules[i]
-                assert rule is not None
                 self.grammars.mask_into(rule.matcher, words[j], rule.canonical)
             except ValueError as e:
                 errors[i] = f"grammar error: {e}"
-        ok = allowed(words, logits.shape[-1])
-        for j, i in enumerate(rows):
-            if errors[i] is None and not bool(ok[j].any()):
-                errors[i] = "grammar error: no token is allowed"
+        ok = allowed(words, self.vocab)
+        for j in (~ok.any(dim=1)).nonzero().flatten().tolist():
+            errors[rows[j]] = errors[rows[j]] or "grammar error: no token is allowed"
+        return rows, ok, errors
+
+    @cached_property
+    def _worker(self) -> DaemonExecutor:
+        return DaemonExecutor(max_threads=1)
+
+    def mask(
+        self, logits: torch.Tensor, rules: list[RequestRules | None], pending: PendingMasks | None = None
+    ) -> tuple[torch.Tensor, list[str | None]]:
+        """``logits [B, V]`` with each row masked by its grammar (a new tensor: the model's are inference
+        tensors), and per row an error or None. ``pending``: the masks :meth:`start` computed for these rules."""
+        rows, ok, errors = pending if pending is not None else self.compute(rules)
         keep = [j for j, i in enumerate(rows) if errors[i] is None]  # a failed row is dropped, not sampled masked
         if keep:
             full = torch.ones(logits.shape, dtype=torch.bool)
-            full[[rows[j] for j in keep]] = ok[keep]
+            full[[rows[j] for j in keep]] = ok[keep] if len(keep) < len(rows) else ok
             logits = logits.masked_fill(~full, float("-inf"))
         return logits, errors
 
