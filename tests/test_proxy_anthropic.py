@@ -271,6 +271,32 @@ def test_keys_trajectories_and_models(served):
     assert len(served.close_session("a-auth").calls) == 1
 
 
+def test_wrong_paths_get_an_anthropic_clients_base_url_in_anthropics_shape(served):
+    """A 404 on an Anthropic path names the base URL an Anthropic client needs (no /v1: the SDK appends
+    /v1/messages), in Anthropic's error shape; a stale attempt's refusal names the current attempt's."""
+    served.open("a-hint", attempt=1)
+    try:
+        body = {"model": MODEL, "max_tokens": 4, "messages": [QUESTION]}
+        no_trajectory = _post(served, "/v1/messages", body)  # a job proxy serves no default trajectory
+        no_attempt = _post(served, "/a-hint/v1/messages", body)
+        doubled_v1 = _post(served, "/a-hint/1/v1/v1/messages", body)  # a base_url ending in /v1
+        stale = _post(served, "/a-hint/0/v1/messages", body)
+    finally:
+        served.close_session("a-hint")
+    for r in (no_trajectory, no_attempt, doubled_v1):
+        assert r.status_code == 404 and r.json()["type"] == "error", r.text
+        err = r.json()["error"]
+        assert err["type"] == "not_found_error" and set(err) == {"type", "message"}
+        assert "POST /v1/messages is served at /{trajectory_id}/{attempt}/v1/messages" in err["message"]
+        assert "OpenAI" not in err["message"] and "/v1." not in err["message"]
+    generic = f"An Anthropic client's base_url is {served.proxy.url}/{{trajectory_id}}/{{attempt}} (without /v1"
+    assert generic in no_trajectory.json()["error"]["message"]
+    own = f"This trajectory's base URL is {served.proxy.anthropic_base_url('a-hint', 1)} (without /v1"
+    assert own in no_attempt.json()["error"]["message"] and own in doubled_v1.json()["error"]["message"]
+    assert stale.status_code == 404 and stale.json()["type"] == "error"
+    assert stale.json()["error"]["message"].endswith(f"base URL is {served.proxy.anthropic_base_url('a-hint', 1)}")
+
+
 def test_max_tokens_stop_reason(served):
     served.open("a-len")
     r = _client(served, "a-len").messages.create(model=MODEL, max_tokens=2, messages=[QUESTION], tools=CALC)
@@ -340,6 +366,56 @@ def test_error_after_the_stream_began_is_an_error_event(tmp_path_factory):
     assert seen[:2] == ["message_start", "content_block_start"] and "message_stop" not in seen
     assert err.body["error"]["type"] == "overloaded_error" and "aborted" in err.body["error"]["message"]
     assert not rec.calls and rec.summary()["refused_calls"] == 1
+
+
+class _SlowEngine:
+    """An engine that streams a long text slowly and notes whether its generation was cancelled."""
+
+    weight_version = 0
+
+    def __init__(self, tok: ChatTokenizer) -> None:
+        self.tok, self.cancelled = tok, asyncio.Event()
+
+    async def generate(self, input_ids, sampling, rid=None, on_token=None):
+        ids = self.tok.encode("Hello there, friend. " * 40)
+        try:
+            for t in ids:
+                on_token(t, -0.1, 0)
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return GenerateResult(rid or "r", ids, [-0.1] * len(ids), [0] * len(ids), "length", len(input_ids))
+
+
+@pytest.mark.parametrize("route", ["chat/completions", "messages"])
+def test_a_client_that_leaves_mid_stream_cancels_its_generation(tmp_path_factory, route):
+    """On either route: the generation is aborted, nothing is recorded, and the segment is free again."""
+    import aiohttp
+
+    tok = ChatTokenizer(tool_model_dir(tmp_path_factory))
+    body = {"model": MODEL, "max_tokens": 400, "messages": [QUESTION], "stream": True}
+
+    async def go():
+        engine = _SlowEngine(tok)
+        async with ProxyServer(engine, tok, MODEL) as proxy:
+            rec = proxy.open("a-leave", GREEDY, 1024)
+            headers = {"Authorization": f"Bearer {proxy.api_key}", "anthropic-version": "2023-06-01"}
+            async with aiohttp.ClientSession() as session:
+                resp = await session.post(f"{proxy.url}/a-leave/0/v1/{route}", json=body, headers=headers)
+                for _ in range(6):  # a few events of the stream, then the client goes away
+                    await resp.content.readline()
+                resp.close()
+            await asyncio.wait_for(engine.cancelled.wait(), 10)
+            for _ in range(100):  # the handler unwinds after the generation's cancellation
+                if proxy.in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert proxy.in_flight == 0 and not rec.calls
+            assert [o.busy for o in rec.open] == [] and rec._starting == 0
+            proxy.close("a-leave")
+
+    asyncio.run(go())
 
 
 # ------------------------------------------------------------------------------------------- black-box agents

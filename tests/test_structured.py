@@ -10,6 +10,7 @@ import json
 import jsonschema
 import openai
 import pytest
+import requests
 import torch
 from test_proxy import Served
 from test_proxy_model import MODEL, TINY, tool_model_dir
@@ -237,6 +238,30 @@ def test_fields_we_cannot_honour_are_refused_by_name(served):
         assert err.value.body["param"] == param, err.value.body
     ok = client.chat.completions.create(model=MODEL, messages=MESSAGES, frequency_penalty=0, logit_bias={}, user="u")
     assert ok.choices[0].message.role == "assistant"
+
+
+def test_a_schema_refused_before_the_reply_leaves_no_call_in_flight(served):
+    """Streamed or not, on either route, a call refused for its schema releases its plan: nothing stays in flight
+    and the trajectory's next call is still its root."""
+    served.open("refused-schema", SAMPLED)
+    proxy = served.proxy
+    schema = {"type": "string", "format": "no-such-format"}
+    openai_body = {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema",
+                   "json_schema": {"name": "x", "strict": True, "schema": schema}}}  # fmt: skip
+    anthropic_body = {"model": MODEL, "max_tokens": 8, "messages": MESSAGES[1:], "system": MESSAGES[0]["content"],
+                      "output_config": {"format": {"type": "json_schema", "schema": schema}}}  # fmt: skip
+    anthropic_headers = {"x-api-key": proxy.api_key, "anthropic-version": "2023-06-01"}
+    routes = [("/v1/chat/completions", openai_body, {"Authorization": f"Bearer {proxy.api_key}"}),
+              ("/v1/messages", anthropic_body, anthropic_headers)]  # fmt: skip
+    for path, body, headers in routes:
+        for stream in (True, False):
+            r = requests.post(f"{proxy.url}/refused-schema/0{path}", json={**body, "stream": stream},
+                              headers=headers, timeout=30)  # fmt: skip
+            assert r.status_code == 400 and "cannot constrain the reply" in r.text, (path, stream, r.text)
+    client = openai.OpenAI(base_url=proxy.base_url("refused-schema"), api_key=proxy.api_key, max_retries=0)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    rec = served.close_session("refused-schema")
+    assert rec.summary()["segments"] == ["root"] and rec.refused == 4 and proxy.in_flight == 0
 
 
 def test_bound_schema_bounds_only_what_is_unbounded():

@@ -1,27 +1,25 @@
 """The Anthropic Messages route of the recording proxy: ``POST /{trajectory_id}/{attempt}/v1/messages``.
 
 It serves a call as the OpenAI route does, on the same path through the proxy: the body becomes the OpenAI chat
-request it means (:mod:`agentflow.proxy.anthropic_wire`), the trajectory's Recorder plans it (a call that resends
-the conversation plus the previous reply extends its segment), the server's ``_generate`` runs it on the engine, and
-the Recorder commits it. Only the reply's shape differs: a ``message`` object, or Anthropic's stream events.
+request it means (:mod:`agentflow.proxy.anthropic_wire`), and :class:`~agentflow.proxy.calls.Call` plans it with the
+trajectory's Recorder (a call that resends the conversation plus the previous reply extends its segment), runs it on
+the engine and commits it. Only the reply's shape differs: a ``message`` object, or Anthropic's stream events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
 from agentflow.chat import render_conversation
 from agentflow.proxy import anthropic_wire as aw
-from agentflow.proxy import wire
-from agentflow.proxy.recorder import Plan, Recorder, _with_system
-from agentflow.proxy.server import ProxyServer, _ContentStream, _json
-from agentflow.proxy.types import SEGMENT_HEADER, ProxyError
+from agentflow.proxy import calls
+from agentflow.proxy.recorder import Recorder, _with_system
+from agentflow.proxy.server import ProxyServer, _json
+from agentflow.proxy.types import ProxyError
 from agentflow.types import GenerateResult
 
 
@@ -32,17 +30,7 @@ class AnthropicRoute:
         self.server = server
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.perf_counter()
-        server = self.server
-        rec = server._session(request).recorder
-        try:  # as on the OpenAI route: a refused call is the agent's to handle, and counted in its record
-            return await self._messages(request, rec, t0)
-        except ProxyError as e:
-            rec.refuse(e)
-            raise
-        finally:
-            if server.on_call is not None:
-                server.on_call(rec)
+        return await calls.serve(self.server, request, self._messages)
 
     async def _messages(self, request: web.Request, rec: Recorder, t0: float) -> web.StreamResponse:
         server = self.server
@@ -50,29 +38,15 @@ class AnthropicRoute:
         if parsed.chat.model != server.model_name:
             raise ProxyError(404, f"model: {parsed.chat.model} (this server serves {server.model_name!r})",
                              code="model_not_found", param="model")  # fmt: skip
-        plan = rec.plan(parsed.chat, request.headers.get(SEGMENT_HEADER))
-        server.in_flight += 1
-        server.max_in_flight = max(server.max_in_flight, server.in_flight)
-        try:
+        # tool-use ids in Anthropic's form, so the record holds the ids the program got
+        async with calls.Call(server, rec, parsed.chat, request.headers, t0, lambda: aw.new_id("toolu")) as call:
             if parsed.chat.stream:
-                return await _Stream(self, request, rec, parsed, plan).run(t0)  # commits or releases the plan
-            return await self._complete(rec, parsed, plan, t0)
-        finally:
-            server.in_flight -= 1
-
-    async def _complete(self, rec: Recorder, parsed: aw.MessagesRequest, plan: Plan, t0: float) -> web.Response:
-        try:
-            used = wire.sampling_header(rec.sampling_for(parsed.chat, plan))  # a bad grammar is refused here
-            res, engine_s, recycled = await self.server._generate(rec, parsed.chat, plan)
-            reply = self.reply(rec, res, parsed)
-        except BaseException:
-            rec.release(plan)  # nothing recorded; the segment may be extended again
-            raise
-        call = rec.commit(plan, res, reply, engine_s=engine_s, recycled=recycled)
-        use = aw.usage(len(call.input_ids), len(res.output_ids), res.cached_tokens)
-        body = aw.message(aw.new_id("msg"), self.server.model_name, reply, self.stop(parsed, res, reply), use)
-        call.total_s = time.perf_counter() - t0
-        return web.json_response(body, headers=used)
+                return await _Stream(self, request, parsed, call).run()
+            out = await call.run()
+            res = out.result
+            use = aw.usage(len(out.record.input_ids), len(res.output_ids), res.cached_tokens)
+            body = aw.message(aw.new_id("msg"), server.model_name, out.reply, self.stop(parsed, res, out.reply), use)
+            return web.json_response(body, headers=call.sampling_header)
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         """``/v1/messages/count_tokens``: the prompt's tokens as a fresh render (a call that extends a segment
@@ -86,13 +60,6 @@ class AnthropicRoute:
         text = render_conversation(_with_system(req.messages, req.tools), req.tools or None, add_generation_prompt=True)
         return web.json_response({"input_tokens": len(server.tokenizer.encode(text))})
 
-    def reply(self, rec: Recorder, res: GenerateResult, parsed: aw.MessagesRequest) -> dict[str, Any]:
-        """The Recorder's reply with Anthropic tool-use ids, so the record holds the ids the program got."""
-        reply = rec.reply_for(res.output_ids, parsed.chat)
-        for call in reply.get("tool_calls", []):
-            call["id"] = aw.new_id("toolu")
-        return reply
-
     def stop(self, parsed: aw.MessagesRequest, res: GenerateResult, reply: dict[str, Any]) -> tuple[str, str | None]:
         tok = self.server.tokenizer
         natural = bool(res.output_ids) and res.output_ids[-1] in tok.stop_ids
@@ -105,60 +72,36 @@ class _Stream:
     ``message_stop``; a failure after the stream began is an ``error`` event, as Anthropic's API sends it."""
 
     def __init__(
-        self, route: AnthropicRoute, request: web.Request, rec: Recorder, parsed: aw.MessagesRequest, plan: Plan
+        self, route: AnthropicRoute, request: web.Request, parsed: aw.MessagesRequest, call: calls.Call
     ) -> None:
-        self.route, self.request, self.rec, self.parsed, self.plan = route, request, rec, parsed, plan
-        self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.route, self.request, self.parsed, self.call = route, request, parsed, call
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **call.sampling_header}
+        self.resp = web.StreamResponse(headers=headers)
         self.index = 0  # the index of the next content block
         self.text_open = False
         self.held = ""
 
-    async def run(self, t0: float) -> web.StreamResponse:
-        server, rec, plan, resp = self.route.server, self.rec, self.plan, self.resp
-        committed = False
-        generation: asyncio.Task | None = None
+    async def run(self) -> web.StreamResponse:
+        server, call, resp = self.route.server, self.call, self.resp
         try:
-            resp.headers.update(wire.sampling_header(rec.sampling_for(self.parsed.chat, plan)))  # before any event
             await resp.prepare(self.request)
-            start = aw.message(
-                aw.new_id("msg"), server.model_name, None, (None, None), aw.usage(len(plan.input_ids), 0)
-            )
+            use = aw.usage(len(call.plan.input_ids), 0)
+            start = aw.message(aw.new_id("msg"), server.model_name, None, (None, None), use)
             await resp.write(aw.event("message_start", message=start))
             await resp.write(aw.event("ping"))
-            streamer = _ContentStream(server.tokenizer, self.parsed.chat.stop, self.parsed.chat.parse_tools)
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            generation = asyncio.create_task(server._generate(
-                rec, self.parsed.chat, plan, lambda *a: loop.call_soon_threadsafe(queue.put_nowait, a)
-            ))  # fmt: skip
-            async for token in _drain(queue, generation):
-                await self.text(streamer.push(*token))
-            res, engine_s, recycled = generation.result()
-            reply = self.route.reply(rec, res, self.parsed)
-            reply["content"] = streamer.finish(res.output_ids, reply["content"])
-            for delta in streamer.pending:
-                await self.text(delta)
-            call = rec.commit(plan, res, reply, engine_s=engine_s, recycled=recycled)
-            committed = True
-            await self.finish(reply, self.route.stop(self.parsed, res, reply),
-                              aw.usage(len(call.input_ids), len(res.output_ids), res.cached_tokens))  # fmt: skip
-            call.total_s = time.perf_counter() - t0
+            out = await call.run(on_text=self.text)
+            res = out.result
+            await self.finish(out.reply, self.route.stop(self.parsed, res, out.reply),
+                              aw.usage(len(out.record.input_ids), len(res.output_ids), res.cached_tokens))  # fmt: skip
             return resp
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as e:
             if not resp.prepared:
                 raise
-            err = e if isinstance(e, ProxyError) else ProxyError(500, f"proxy error: {type(e).__name__}: {e}")
-            rec.refuse(err)
-            await resp.write(aw.event("error", error=aw.error_body(err)["error"]))
+            await resp.write(aw.event("error", error=aw.error_body(call.refuse(e))["error"]))
             await resp.write_eof()
             return resp
-        finally:
-            if generation is not None and not generation.done():
-                generation.cancel()  # the client went away: abort the generation on the engine
-            if not committed:
-                rec.release(plan)
 
     async def text(self, delta: str) -> None:
         """Stream text; the text block opens at the first visible text (whitespace before a tool call opens none)."""
@@ -189,14 +132,3 @@ class _Stream:
         await write(aw.event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=use))
         await write(aw.event("message_stop"))
         await self.resp.write_eof()
-
-
-async def _drain(queue: asyncio.Queue, generation: asyncio.Task) -> AsyncIterator[tuple[Any, ...]]:
-    """The tokens ``on_token`` queues, as they come, until the generation ends and the queue is empty."""
-    while not generation.done() or not queue.empty():
-        getter = asyncio.ensure_future(queue.get())
-        await asyncio.wait({getter, generation}, return_when=asyncio.FIRST_COMPLETED)
-        if not getter.done():
-            getter.cancel()
-            continue
-        yield getter.result()

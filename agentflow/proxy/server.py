@@ -14,7 +14,8 @@ another one. Standalone (``agentflow proxy serve``, an ``opener``), an unknown t
 and ``POST /v1/chat/completions`` is the :data:`DEFAULT_TRAJECTORY`'s. A request to a path or with a method the
 proxy does not serve gets a 404 or 405 naming the routes it does serve. Each call renders its messages with the
 model's chat template, generates token-in/token-out on the engine and is recorded by the trajectory's
-:class:`~agentflow.proxy.recorder.Recorder`.
+:class:`~agentflow.proxy.recorder.Recorder`; both routes leave those steps to :mod:`agentflow.proxy.calls` and only
+read their wire format's request and write its answer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import inspect
 import itertools
 import json
 import secrets
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,9 +33,9 @@ from typing import Any
 from aiohttp import web
 
 from agentflow.chat import ChatTokenizer
-from agentflow.proxy import anthropic_wire, route_help, wire
-from agentflow.proxy.recorder import Plan, Recorder
-from agentflow.proxy.types import SEGMENT_HEADER, CallRecord, ProxyError, ToolHandler
+from agentflow.proxy import anthropic_wire, calls, route_help, wire
+from agentflow.proxy.recorder import Recorder
+from agentflow.proxy.types import CallRecord, ProxyError, ToolHandler
 from agentflow.types import GenerateResult, InferenceEngine, SamplingParams
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -175,7 +175,10 @@ class ProxyServer:
             entry = self._sessions.get(tid)
         if entry is None or str(entry[0]) != attempt:
             self.refused += 1
-            now = f"; its current attempt's base URL is {self.base_url(tid, entry[0])}" if entry is not None else ""
+            now = ""
+            if entry is not None:  # a stale attempt: the base URL of the current one, for this kind of client
+                anthropic = anthropic_wire.wants_anthropic(request.path, request.headers)
+                now = f"; its current attempt's base URL is {self._base_url_of(tid, anthropic)}"
             raise ProxyError(404, f"unknown trajectory {tid!r} (attempt {attempt}){now}", "invalid_request_error",
                              "unknown_trajectory")  # fmt: skip
         return entry[1]
@@ -204,8 +207,7 @@ class ProxyServer:
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as e:  # the proxy keeps serving; the program sees why
-            err = ProxyError(500, f"proxy error: {type(e).__name__}: {e}", "server_error", "internal_error")
-            return _error(request, err)
+            return _error(request, calls.internal_error(e))
 
     # ---------------------------------------------------------------------------------------------- routes
 
@@ -231,72 +233,33 @@ class ProxyServer:
             raise ProxyError(409, str(e), code="episode_over") from None
         return web.json_response({"output": output, "done": done})
 
-    def _base_url_of(self, trajectory_id: str) -> str | None:
+    def _base_url_of(self, trajectory_id: str, anthropic: bool = False) -> str | None:
+        """The open trajectory's base URL for an OpenAI client, or for an Anthropic one; None when it is not open."""
         entry = self._sessions.get(trajectory_id)
-        return None if entry is None else self.base_url(trajectory_id, entry[0])
+        if entry is None:
+            return None
+        return (self.anthropic_base_url if anthropic else self.base_url)(trajectory_id, entry[0])
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.perf_counter()
-        rec = self._session(request).recorder
-        try:  # a refused call is the agent's to handle (an error observation), counted in its trajectory's record
-            return await self._chat(request, rec, t0)
-        except ProxyError as e:
-            rec.refuse(e)
-            raise
-        finally:
-            if self.on_call is not None:
-                self.on_call(rec)
+        return await calls.serve(self, request, self._chat)
 
     async def _chat(self, request: web.Request, rec: Recorder, t0: float) -> web.StreamResponse:
         req = wire.parse_request(await _json(request))
         if req.model != self.model_name:
             raise ProxyError(404, f"The model '{req.model}' does not exist; this proxy serves '{self.model_name}'.",
                              code="model_not_found", param="model")  # fmt: skip
-        plan = rec.plan(req, request.headers.get(SEGMENT_HEADER))
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            used = wire.sampling_header(rec.sampling_for(req, plan))  # a bad schema is refused before streaming
+        async with calls.Call(self, rec, req, request.headers, t0) as call:  # a bad schema is refused here
             if req.stream:
-                return await self._stream(request, rec, req, plan, t0)
-            res, engine_s, recycled = await self._generate(rec, req, plan)
-            reply = rec.reply_for(res.output_ids, req)
-            call = rec.commit(plan, res, reply, engine_s=engine_s, recycled=recycled)
-            plan = None  # committed: nothing to release
+                return await self._stream(request, call)
+            out = await call.run()
+            res = out.result
             body = wire.completion(
-                wire.new_id("chatcmpl"), self.model_name, _public(reply), wire.finish_reason(reply, res.finish_reason),
-                wire.usage_of(len(call.input_ids), len(res.output_ids), res.cached_tokens),
-                self._extra(req, call, res),
+                wire.new_id("chatcmpl"), self.model_name, _public(out.reply),
+                wire.finish_reason(out.reply, res.finish_reason),
+                wire.usage_of(len(out.record.input_ids), len(res.output_ids), res.cached_tokens),
+                self._extra(req, out.record, res),
             )  # fmt: skip
-            call.total_s = time.perf_counter() - t0
-            return web.json_response(body, headers=used)
-        finally:
-            self.in_flight -= 1
-            if plan is not None and not req.stream:
-                rec.release(plan)
-
-    # ------------------------------------------------------------------------------------------- generation
-
-    async def _generate(
-        self, rec: Recorder, req: wire.ChatRequest, plan: Plan, on_token: Callable | None = None
-    ) -> tuple[GenerateResult, float, int]:
-        """Run the call on the engine; recycle generations aborted by a weight update when configured."""
-        sampling = plan.sampling or rec.sampling_for(req, plan)
-        engine_s, recycled = 0.0, 0
-        while True:
-            version = self.engine.weight_version
-            rid = f"{rec.trajectory_id}:{rec.attempt}:{next(self._call_ids)}:{recycled}"  # concurrent calls differ
-            t = time.perf_counter()
-            kwargs = {"on_token": on_token} if on_token is not None and self._streams else {}
-            res = await self.engine.generate(list(plan.input_ids), sampling, rid=rid, **kwargs)
-            engine_s += time.perf_counter() - t
-            if res.finish_reason != "abort":
-                return res, engine_s, recycled
-            if not (self.recycle and self.engine.weight_version != version and recycled < self.max_recycles):
-                raise ProxyError(503, "the engine aborted the generation", "server_error", "engine_aborted")
-            recycled += 1
-            if on_token is not None:
-                on_token(None, 0.0, -1)  # tell the stream to forget the aborted tokens
+            return web.json_response(body, headers=call.sampling_header)
 
     def _extra(self, req: wire.ChatRequest, call: CallRecord, res: GenerateResult) -> dict[str, Any]:
         extra: dict[str, Any] = {}
@@ -310,60 +273,36 @@ class ProxyServer:
             extra.update(token_ids=call.output_ids, prompt_token_ids=call.input_ids, weight_versions=call.versions)
         return extra
 
-    async def _stream(
-        self, request: web.Request, rec: Recorder, req: wire.ChatRequest, plan: Plan, t0: float
-    ) -> web.StreamResponse:
-        """Server-sent events: content deltas as tokens arrive, tool calls and the finish reason at the end."""
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        if plan.sampling is not None:
-            headers.update(wire.sampling_header(plan.sampling))
+    async def _stream(self, request: web.Request, call: calls.Call) -> web.StreamResponse:
+        """Server-sent events: content deltas as tokens arrive, tool calls and the finish reason at the end; a
+        failure after the stream began is an error event, as OpenAI sends it."""
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **call.sampling_header}
         resp = web.StreamResponse(headers=headers)
         cid, model = wire.new_id("chatcmpl"), self.model_name
-        committed = False
+
+        async def text(delta: str) -> None:
+            await _sse(resp, wire.chunk(cid, model, {"content": delta}))
+
         try:
             await resp.prepare(request)
             await _sse(resp, wire.chunk(cid, model, {"role": "assistant", "content": ""}))
-            streamer = _ContentStream(self.tokenizer, req.stop, req.parse_tools)
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            task = asyncio.create_task(
-                self._generate(rec, req, plan, lambda *a: loop.call_soon_threadsafe(queue.put_nowait, a))
-            )
-            while not task.done() or not queue.empty():
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    continue
-                delta = streamer.push(*getter.result())
-                if delta:
-                    await _sse(resp, wire.chunk(cid, model, {"content": delta}))
-            res, engine_s, recycled = task.result()
-            reply = rec.reply_for(res.output_ids, req)
-            reply["content"] = streamer.finish(res.output_ids, reply["content"])
-            for delta in streamer.pending:
-                await _sse(resp, wire.chunk(cid, model, {"content": delta}))
-            call = rec.commit(plan, res, reply, engine_s=engine_s, recycled=recycled)
-            committed = True
-            await self._stream_tail(resp, cid, req, call, reply, res)
-            call.total_s = time.perf_counter() - t0
+            out = await call.run(on_text=text)
+            await self._stream_tail(resp, cid, call.req, out)
             return resp
-        except ProxyError as e:
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:
             if not resp.prepared:
                 raise
-            rec.refuse(e)
-            await _sse(resp, e.body())  # mid-stream: OpenAI sends the error as an event
+            await _sse(resp, call.refuse(e).body())
             await resp.write(b"data: [DONE]\n\n")
             return resp
-        finally:
-            if not committed:
-                rec.release(plan)
 
-    async def _stream_tail(self, resp, cid, req, call: CallRecord, reply, res: GenerateResult) -> None:
-        model = self.model_name
-        calls = wire.openai_tool_calls(reply)
-        if calls:
-            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+    async def _stream_tail(self, resp: web.StreamResponse, cid: str, req: wire.ChatRequest, out: calls.Outcome) -> None:
+        model, reply, res, call = self.model_name, out.reply, out.result, out.record
+        tool_calls = wire.openai_tool_calls(reply)
+        if tool_calls:
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
             await _sse(resp, wire.chunk(cid, model, delta))
         await _sse(resp, wire.chunk(cid, model, {}, wire.finish_reason(reply, res.finish_reason),
                                     **self._extra(req, call, res)))  # fmt: skip
@@ -374,47 +313,6 @@ class ProxyServer:
             await _sse(resp, body)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
-
-
-class _ContentStream:
-    """Incremental text of the model's tokens, up to its first tool call (tool calls are sent whole at the end)
-    or stop string (text that could be the start of one is held back until it is known not to be)."""
-
-    def __init__(self, tokenizer: ChatTokenizer, stop: tuple[str, ...] = (), parse_tools: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.sent = ""
-        self.stopped = False
-        self.pending: list[str] = []
-        self.stop, self.parse_tools = stop, parse_tools
-        self.hold = max((len(x) for x in stop), default=1) - 1
-
-    def push(self, token: int | None, logprob: float, version: int) -> str:
-        if token is None:  # the generation was recycled: the new one starts over (text already sent stays)
-            self.ids = []
-            return ""
-        self.ids.append(token)
-        if self.stopped or token in self.tokenizer.stop_ids:
-            return ""
-        text = self.tokenizer.decode(self.ids)
-        cuts = [i for i in (text.find(x) for x in self.stop) if i >= 0]
-        if self.parse_tools and (i := text.find("<tool_call>")) >= 0:
-            cuts.append(i)
-        if cuts:
-            text, self.stopped = text[: min(cuts)], True
-        elif self.hold:
-            text = text[: len(text) - self.hold]
-        if text.endswith("\ufffd") or not text.startswith(self.sent):  # a partial UTF-8 character: wait
-            return ""
-        delta, self.sent = text[len(self.sent) :], text
-        return delta
-
-    def finish(self, output_ids: list[int], content: str) -> str:
-        """The content the program received in total; what is still missing of ``content`` goes to ``pending``."""
-        if content.startswith(self.sent) and len(content) > len(self.sent):
-            self.pending.append(content[len(self.sent) :])
-            self.sent = content
-        return self.sent
 
 
 def _error(request: web.Request, err: ProxyError, headers: Any = None) -> web.Response:
