@@ -69,8 +69,8 @@ class Grammar:
 
     lark: str
     kind: str
-    """``tool_call`` (required or named), ``auto`` (text or calls of strict tools), ``text`` (no tool calls),
-    ``json`` (``response_format``)."""
+    """``tool_call`` (required or named), ``auto`` (text, or the ``response_format`` JSON, or calls of the tools),
+    ``text`` (no tool calls), ``json`` (``response_format``)."""
     bounds: dict[str, int] = field(default_factory=dict)
     """Bounds added to unbounded schema parts, e.g. ``{"maxLength": 12}``."""
 
