@@ -33,6 +33,8 @@ _JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separa
 _TOKENS_PER_CHAR = 4
 _ARRAY_ITEMS = 4
 """``maxItems`` given to arrays that declare none."""
+INTEGER_BOUND = 999_999_999
+"""Integers a schema leaves unbounded are kept within plus or minus this (nine digits)."""
 
 
 Counter = Callable[[str], int]
@@ -254,6 +256,9 @@ def _bound(node: Any, length: int, added: dict[str, int], depth: int, items: int
     if _is_free_string(node):
         node["maxLength"] = length
         added["maxLength"] = length
+    if "integer" in _types(node) and not ({"minimum", "maximum", "enum", "const"} & node.keys()):
+        node["minimum"], node["maximum"] = -INTEGER_BOUND, INTEGER_BOUND  # no run of digits past the budget
+        added["maximum"] = INTEGER_BOUND
     if "array" in _types(node) and "maxItems" not in node:
         node["maxItems"] = max(items, int(node.get("minItems", 0)))
         added["maxItems"] = node["maxItems"]
