@@ -8,7 +8,7 @@ an LR decay for imitation phases, the teachers' signals). Names of losses and es
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from trainer import registry
 
@@ -54,7 +54,8 @@ class LossFields(_Section):
     """Ratio clip above 1 (DAPO's clip-higher uses 0.28)."""
     off_policy: str = "tis"
     """Correction against the engine's behaviour log-probs (``trainer/registry.py``): ``none``, token truncated IS
-    ``tis``, token masking ``mis``, or sequence level ``seq_tis`` / ``seq_mis``."""
+    ``tis``, token masking ``mis``, sequence level ``seq_tis`` / ``seq_mis`` (= ``geo_seq_mis``) / ``geo_seq_tis``,
+    second-moment token masking ``m2po``, or off-policy sequence masking ``opsm``."""
     is_cap: float = Field(2.0, gt=0)
     """Upper cap C of importance weights (truncation) or of the kept range (masking)."""
     is_low: float = Field(0.5, ge=0)
@@ -74,8 +75,21 @@ class LossFields(_Section):
     """Turn-level credit: per-turn returns, updates in reverse turn order (after RTPO)."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount of per-turn returns."""
+    m2po_tau: float = Field(0.04, gt=0)
+    """``m2po``: the most the kept tokens' mean squared log-ratio (second moment) may be."""
+    opsm_delta: float = Field(1e-4, ge=0)
+    """``opsm``: a negative-advantage sequence whose mean ``log(behaviour / current)`` exceeds this is left out."""
+    kl_in_reward: bool = False
+    """``reinforce_pp``: the KL to the reference (``kl_coef``, ``kl_estimator``) as a per-token reward, not a loss."""
 
     _registered = field_validator("off_policy", "kl_estimator")(_registered_name)
+
+    def _check_with(self, loss: str) -> None:
+        """Options that hold only for some losses."""
+        if self.kl_in_reward and loss != "reinforce_pp":
+            raise ValueError(f"kl_in_reward is REINFORCE++'s: it needs loss 'reinforce_pp', not {loss!r}")
+        if self.kl_in_reward and self.kl_coef == 0:
+            raise ValueError("kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
 
 
 class TrainerConfig(OptimFields, LossFields):
@@ -83,7 +97,9 @@ class TrainerConfig(OptimFields, LossFields):
 
     loss: str = "grpo"
     """Policy loss (``trainer/registry.py``; trainer/losses.py documents each): token-level ``grpo``, ``dapo``
-    (GRPO's loss; pair it with ``clip_high > clip_low``), ``gspo`` (sequence-level ratios), or ``sft``."""
+    (GRPO's loss; pair it with ``clip_high > clip_low``), ``gspo`` (sequence-level ratios), ``rloo``
+    (leave-one-out baseline), ``reinforce_pp`` (batch-normalised returns), ``cispo`` (clipped IS weights), or
+    ``sft``."""
     drop_uniform_groups: bool = True
     """DAPO's dynamic sampling: leave out groups whose rewards are all equal (their GRPO advantage is zero), so they
     cost no trainer time and do not dilute the token-level average. A batch with none left is a no-op step."""
@@ -93,6 +109,11 @@ class TrainerConfig(OptimFields, LossFields):
     """Data-parallel ranks of the trainer."""
 
     _registered_loss = field_validator("loss")(_registered_name)
+
+    @model_validator(mode="after")
+    def _loss_options(self) -> TrainerConfig:
+        self._check_with(self.loss)
+        return self
 
     def loss_settings(self, **signals: object) -> LossSettings:
         """The loss as the trainer runs it; ``signals``: the teachers' :class:`LossSettings` fields."""
@@ -123,6 +144,11 @@ class LossSettings(LossFields):
     _registered_signals = field_validator("name", "distill_reward_estimator", "distill_loss_estimator")(
         _registered_name
     )
+
+    @model_validator(mode="after")
+    def _loss_options(self) -> LossSettings:
+        self._check_with(self.name)
+        return self
 
     @property
     def distills(self) -> bool:

@@ -12,9 +12,36 @@ How each departs from its paper:
 * **GSPO** (Zheng et al. 2025): the ratio is per sequence, the geometric mean ``exp(mean_t(logp - old))`` over the
   sequence's model tokens, clipped per sequence; the loss is the mean over sequences. Off-policy correction for GSPO
   uses sequence-level weights.
+* **RLOO** (Ahmadian et al. 2024): leave-one-out baseline, each sample's reward minus the mean reward of the other
+  samples of its group (no division by a std; a group of one gets zero). The paper pairs it with a plain
+  sequence-level REINFORCE loss; here it feeds GRPO's clipped token surrogate with token-level averaging. Group
+  members are samples, as for GRPO (a trajectory with several trained segments counts once per segment).
+* **REINFORCE++** (Hu et al. 2025): no group baseline; each model token's return is normalised over the whole
+  batch's model tokens, ``(G_t - mean) / (std + eps)`` (population std; all zeros when the batch's returns are
+  equal), then GRPO's clipped token surrogate. ``G_t`` is the outcome reward (with ``turn_credit``, the turn's
+  return). ``kl_in_reward`` puts the KL to the reference into the reward as the paper does: token ``t`` gets
+  ``-kl_coef * sum_{s >= t} k(behaviour_s, ref_s)`` over the sample's model tokens (undiscounted reward-to-go,
+  ``kl_estimator``), and the KL loss term is then left out. With ``drop_uniform_groups`` (the default) groups of
+  equal rewards never reach the batch statistics; turn it off for the paper's estimator.
+* **CISPO** (MiniMax 2025): ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp`` per token, ``r = pi / pi_old``:
+  the clip bounds the detached weight only, so every token keeps its gradient (the PPO clip drops the gradient of
+  clipped tokens). Token-level averaging as GRPO. The paper clips only above; set ``clip_low >= 1`` for that.
+  ``clip_frac`` counts tokens whose weight was clipped.
 * **Off-policy corrections** against the engine's behaviour log-probs (asynchronous rollouts): token-level truncated
   IS ``min(r, C)`` (``tis``), token masking ``[low <= r <= C]`` (``mis``), sequence-level truncated IS of the product
-  of ratios (``seq_tis``) or sequence masking on the geometric mean (``seq_mis``), with ``r = pi_old / pi_behaviour``.
+  of ratios (``seq_tis``) or sequence masking on the geometric mean (``seq_mis``, also named ``geo_seq_mis``),
+  truncated IS of the geometric mean ``min(exp(mean_t log r), C)`` (``geo_seq_tis``: length-independent, where the
+  product's weight shrinks or explodes with length), with ``r = pi_old / pi_behaviour``. Two masking rules follow
+  their papers:
+
+  - ``m2po`` (M2PO, Zheng et al. 2025): per micro-batch, sort its model tokens by ``(log r)^2`` and drop the fewest
+    largest ones so that the mean ``(log r)^2`` of the tokens kept is ``<= m2po_tau`` (ties: the earlier token
+    first); kept tokens weigh 1. The paper bounds the whole batch's second moment; a micro-batch bound implies the
+    batch's (a mean of means each within the bound), dropping at least as many tokens. The paper also trains
+    without the PPO clip; here the configured loss keeps its own.
+  - ``opsm`` (off-policy sequence masking, DeepSeek-V3.2): a sequence whose mean advantage over its model tokens is
+    negative and whose mean ``log(pi_behaviour / pi)`` over them exceeds ``opsm_delta`` weighs 0, every other
+    sequence 1. ``pi`` is the current policy (detached), so the rule tracks drift within an update too.
   ``old`` is the trainer's own log-probs before the update: recomputed by a no-grad pass (``recompute_old``), or, with
   one update per batch, the current log-probs detached (identical values, one pass fewer).
 * **KL to a reference** through engine scoring: ``k1 = logp - ref``, ``k2 = (logp - ref)^2 / 2``,
@@ -34,8 +61,11 @@ How each departs from its paper:
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -58,6 +88,33 @@ def group_advantages(rewards: list[float], group_ids: list[str], eps: float = 1e
     return adv
 
 
+def rloo_advantages(rewards: list[float], group_ids: list[str]) -> list[float]:
+    """Leave-one-out advantages: each reward minus the mean of the other rewards of its group (0 when alone)."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        groups[g].append(i)
+    adv = [0.0] * len(rewards)
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        total = sum(rewards[i] for i in idx)
+        for i in idx:
+            adv[i] = rewards[i] - (total - rewards[i]) / (len(idx) - 1)
+    return adv
+
+
+def batch_normalise(rows: list[list[float]], masks: list[list[int]], eps: float = 1e-6) -> list[list[float]]:
+    """Per-token values normalised over every masked token of the batch (population std; zeros, also off the mask,
+    where the mask is 0 or all values are equal)."""
+    flat = torch.tensor([v for row, m in zip(rows, masks, strict=True) for v, k in zip(row, m, strict=True) if k],
+                        dtype=torch.float64)  # fmt: skip
+    if flat.numel() < 2 or not bool(flat.std(unbiased=False) > 0):
+        return [[0.0] * len(row) for row in rows]
+    mean, std = float(flat.mean()), float(flat.std(unbiased=False))
+    return [[(v - mean) / (std + eps) if k else 0.0 for v, k in zip(row, m, strict=True)]
+            for row, m in zip(rows, masks, strict=True)]  # fmt: skip
+
+
 def turn_returns(rewards: list[float], gamma: float) -> list[float]:
     """Discounted reward-to-go of each turn."""
     out, g = [0.0] * len(rewards), 0.0
@@ -65,6 +122,10 @@ def turn_returns(rewards: list[float], gamma: float) -> list[float]:
         g = rewards[k] + gamma * g
         out[k] = g
     return out
+
+
+Baseline = Callable[[list[float], list[str]], list[float]]
+"""Advantages of scalar returns from their group keys (:func:`group_advantages`, :func:`rloo_advantages`)."""
 
 
 @dataclass
@@ -80,11 +141,8 @@ def plan_advantages(samples: list[Sample], cfg: LossSettings) -> AdvantagePlan:
     if cfg.name == "sft":
         return AdvantagePlan([[0.0] * len(s.token_ids) for s in samples], [[list(s.loss_mask) for s in samples]])
     gids = [s.group_id or s.sample_id for s in samples]
-    if not cfg.turn_credit:
-        adv = group_advantages([s.reward for s in samples], gids)
-        plan = AdvantagePlan([[a] * len(s.token_ids) for a, s in zip(adv, samples, strict=True)], [_full(samples)])
-    else:
-        plan = _turn_plan(samples, gids, cfg.gamma)
+    estimate = registry.resolve("advantages", cfg.name) if cfg.name in registry.ADVANTAGES else group_plan
+    plan = estimate(samples, gids, cfg)
     if cfg.env_reward_coef != 1.0:
         plan.advantages = [[cfg.env_reward_coef * a for a in row] for row in plan.advantages]
     if cfg.distill_reward_coef > 0:
@@ -92,6 +150,48 @@ def plan_advantages(samples: list[Sample], cfg: LossSettings) -> AdvantagePlan:
             for t, r in enumerate(distill_rewards(s, cfg.distill_reward_estimator)):
                 row[t] += cfg.distill_reward_coef * r
     return plan
+
+
+def group_plan(
+    samples: list[Sample], gids: list[str], cfg: LossSettings, baseline: Baseline = group_advantages
+) -> AdvantagePlan:
+    """GRPO's advantages: ``baseline`` over each group's rewards (with turn credit: over each turn index's returns)."""
+    if cfg.turn_credit:
+        return _turn_plan(samples, gids, cfg.gamma, baseline)
+    adv = baseline([s.reward for s in samples], gids)
+    return AdvantagePlan([[a] * len(s.token_ids) for a, s in zip(adv, samples, strict=True)], [_full(samples)])
+
+
+def rloo_plan(samples: list[Sample], gids: list[str], cfg: LossSettings) -> AdvantagePlan:
+    """RLOO: GRPO's plan with the leave-one-out baseline in place of group normalisation."""
+    return group_plan(samples, gids, cfg, rloo_advantages)
+
+
+def batch_plan(samples: list[Sample], gids: list[str], cfg: LossSettings) -> AdvantagePlan:
+    """REINFORCE++: per-token returns (the reward, or the turn's return; minus the KL to go with ``kl_in_reward``)
+    normalised over all model tokens of the batch."""
+    if cfg.turn_credit:
+        plan = _turn_plan(samples, gids, cfg.gamma, lambda values, keys: values)  # raw returns per token
+    else:
+        plan = AdvantagePlan([[s.reward] * len(s.token_ids) for s in samples], [_full(samples)])
+    if cfg.kl_in_reward:
+        for row, s in zip(plan.advantages, samples, strict=True):
+            for t, c in enumerate(kl_to_go(s, cfg.kl_estimator)):
+                row[t] -= cfg.kl_coef * c
+    trained = [[int(any(phase[i][t] for phase in plan.phases)) for t in range(len(s.token_ids))]
+               for i, s in enumerate(samples)]  # fmt: skip
+    plan.advantages = batch_normalise(plan.advantages, trained)
+    return plan
+
+
+def kl_to_go(sample: Sample, estimator: str) -> list[float]:
+    """``sum_{s >= t} k(behaviour_s, ref_s)`` over the sample's model tokens at each position ``t``."""
+    if sample.ref_logprobs is None or len(sample.ref_logprobs) != len(sample.token_ids):
+        raise ValueError(f"sample {sample.sample_id!r} has no aligned reference log-probs (kl_in_reward)")
+    beh = torch.tensor(sample.behaviour_logprobs, dtype=torch.float64)
+    ref = torch.tensor(sample.ref_logprobs, dtype=torch.float64)
+    k = kl_penalty(beh, ref, estimator) * torch.tensor(sample.loss_mask, dtype=torch.float64)
+    return k.flip(0).cumsum(0).flip(0).tolist()
 
 
 def distill_rewards(sample: Sample, estimator: str) -> list[float]:
@@ -111,8 +211,11 @@ def _full(samples: list[Sample]) -> list[list[int]]:
     return [list(s.loss_mask) for s in samples]
 
 
-def _turn_plan(samples: list[Sample], gids: list[str], gamma: float) -> AdvantagePlan:
-    """Per-turn returns normalised within (group, turn index); phases from the last turn index to the first."""
+def _turn_plan(
+    samples: list[Sample], gids: list[str], gamma: float, baseline: Baseline = group_advantages
+) -> AdvantagePlan:
+    """Per-turn returns through ``baseline`` within (group, turn index); phases from the last turn index to the
+    first."""
     spans = [s.turn_spans or [(0, len(s.token_ids))] for s in samples]
     rewards = [s.turn_rewards or ([0.0] * (len(sp) - 1) + [s.reward]) for s, sp in zip(samples, spans, strict=True)]
     returns = [turn_returns(r, gamma) for r in rewards]
@@ -121,7 +224,7 @@ def _turn_plan(samples: list[Sample], gids: list[str], gamma: float) -> Advantag
         for k, g in enumerate(rets):
             keys.append(f"{gids[i]}#{k}")
             values.append(g)
-    flat = iter(group_advantages(values, keys))
+    flat = iter(baseline(values, keys))
     advs = [[0.0] * len(s.token_ids) for s in samples]
     depth = max(len(sp) for sp in spans)
     phases = [[[0] * len(s.token_ids) for s in samples] for _ in range(depth)]
@@ -155,14 +258,78 @@ def weights_seq_mis(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, cf
     return ((geo >= cfg.is_low) & (geo <= cfg.is_cap)).to(r.dtype).expand_as(r)
 
 
+def weights_geo_seq_tis(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, cfg: LossSettings) -> torch.Tensor:
+    """Truncated IS of each sequence's geometric-mean ratio ``min(exp(mean_t log r), C)``, on all its tokens."""
+    geo = torch.exp(log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+    return torch.clamp(geo, max=cfg.is_cap).expand_as(r)
+
+
+def weights_m2po(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, cfg: LossSettings) -> torch.Tensor:
+    """M2PO's mask: drop the fewest tokens of largest ``(log r)^2`` so that the kept tokens' mean ``(log r)^2`` is
+    at most ``m2po_tau`` (over the model tokens given, one micro-batch)."""
+    keep = torch.ones_like(r)
+    on = mask > 0
+    sq = log_r[on].to(torch.float64) ** 2
+    n = sq.numel()
+    if n == 0:
+        return keep
+    ordered, order = torch.sort(sq, descending=True, stable=True)
+    tail = ordered.flip(0).cumsum(0).flip(0)  # tail[k]: the squares left after dropping the k largest
+    fits = tail <= cfg.m2po_tau * torch.arange(n, 0, -1, dtype=torch.float64)
+    k = int(torch.nonzero(fits)[0]) if bool(fits.any()) else n
+    kept = torch.ones(n, dtype=r.dtype)
+    kept[order[:k]] = 0.0
+    keep[on] = kept
+    return keep
+
+
+def weights_opsm(
+    r: torch.Tensor,
+    log_r: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossSettings,
+    *,
+    advantages: torch.Tensor | None = None,
+    log_r_current: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Off-policy sequence masking: 0 on a sequence with negative mean advantage whose mean
+    ``log(pi_behaviour / pi)`` exceeds ``opsm_delta``, 1 elsewhere (``pi``: the current policy, else the old)."""
+    if advantages is None:
+        raise ValueError("the opsm correction needs the advantages")
+    n = mask.sum(-1).clamp(min=1)
+    drift = -((log_r if log_r_current is None else log_r_current) * mask).sum(-1) / n
+    seq_adv = (advantages * mask).sum(-1) / n
+    return (~((seq_adv < 0) & (drift > cfg.opsm_delta))).to(r.dtype)[:, None].expand_as(r)
+
+
+@cache
+def _extra_inputs(fn: Callable[..., torch.Tensor]) -> frozenset[str]:
+    """Which of the optional inputs a correction declares (the basic ones take only ``r, log_r, mask, cfg``)."""
+    return frozenset(inspect.signature(fn).parameters) & {"advantages", "log_r_current"}
+
+
 def off_policy_weights(
-    old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, cfg: LossSettings
+    old: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossSettings,
+    advantages: torch.Tensor | None = None,
+    current: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Detached importance weights ``[b, s]`` correcting for the engine's (behaviour) policy, plus summed metrics."""
+    """Detached importance weights ``[b, s]`` correcting for the engine's (behaviour) policy, plus summed metrics.
+
+    ``advantages`` and the ``current`` log-probs reach the corrections that declare them (``advantages``,
+    ``log_r_current = current - behaviour``), such as ``opsm``."""
     log_r = ((old - behaviour) * mask).detach()
     r = torch.exp(log_r)
     metrics = {"is_approx_k3_kl": ((r - 1 - log_r) * mask).sum(), "logprob_abs_diff": (log_r.abs() * mask).sum()}
-    w = registry.resolve("off_policy", cfg.off_policy)(r, log_r, mask, cfg)
+    fn = registry.resolve("off_policy", cfg.off_policy)
+    extra: dict[str, torch.Tensor | None] = {}
+    if "advantages" in _extra_inputs(fn):
+        extra["advantages"] = None if advantages is None else advantages.detach()
+    if "log_r_current" in _extra_inputs(fn):
+        extra["log_r_current"] = None if current is None else ((current - behaviour) * mask).detach()
+    w = fn(r, log_r, mask, cfg, **extra)
     metrics["is_weight_mean"] = (w * mask).sum()
     metrics["is_weight_zero_frac"] = ((w == 0).to(r.dtype) * mask).sum()
     return w, metrics
@@ -277,6 +444,18 @@ def sequence_surrogate(
     return (seq_w * seq_loss * has).sum() / denom_seqs, (clipped.to(mask.dtype)[:, None] * mask).sum()
 
 
+def cispo_surrogate(
+    x: LossInputs, cfg: LossSettings, w: torch.Tensor, mask: torch.Tensor, denom_tokens: float, denom_seqs: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO: ``-sg(clip(r, 1-lo, 1+hi)) * A * logp`` per token, importance-weighted, averaged over the batch's model
+    tokens; the gradient reaches every token. Returns the loss and the summed count of tokens whose weight was
+    clipped."""
+    ratio = torch.exp(x.logp.detach() - x.old.detach())
+    weight = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    clipped = ((ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high)).to(mask.dtype)
+    return -(w * weight * x.advantages * x.logp * mask).sum() / denom_tokens, (clipped * mask).sum()
+
+
 def nll(
     x: LossInputs, cfg: LossSettings, w: torch.Tensor, mask: torch.Tensor, denom_tokens: float, denom_seqs: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,10 +468,10 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The configured objective for one micro-batch; metrics are sums (divide by the global token count)."""
     mask = x.mask.to(x.logp.dtype)
-    w, metrics = off_policy_weights(x.old, x.behaviour, mask, cfg)
+    w, metrics = off_policy_weights(x.old, x.behaviour, mask, cfg, x.advantages, x.logp)
     loss, clip_frac = registry.resolve("loss", cfg.name)(x, cfg, w, mask, denom_tokens, denom_seqs)
     metrics["clip_frac"] = clip_frac
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 and not cfg.kl_in_reward:  # in the reward instead: trainer.losses.batch_plan
         if x.ref is None:
             raise ValueError("kl_coef > 0 needs reference log-probs on every sample (score them with a ref engine)")
         kl = kl_penalty(x.logp, x.ref, cfg.kl_estimator) * mask

@@ -17,6 +17,9 @@ POLICY_LOSSES: dict[str, str] = {
     "grpo": "trainer.losses:token_surrogate",  # token-level clipped surrogate, token-level averaging
     "dapo": "trainer.losses:token_surrogate",  # GRPO's loss; pair with clip_high > clip_low, drop_uniform_groups
     "gspo": "trainer.losses:sequence_surrogate",  # sequence-level geometric-mean ratio
+    "rloo": "trainer.losses:token_surrogate",  # GRPO's loss on leave-one-out advantages
+    "reinforce_pp": "trainer.losses:token_surrogate",  # GRPO's loss on batch-normalised returns (REINFORCE++)
+    "cispo": "trainer.losses:cispo_surrogate",  # clipped detached IS weight times A log pi, every token's gradient
     "sft": "trainer.losses:nll",  # imitation: negative log-likelihood of the model tokens
 }
 """``trainer.loss``: the policy objective."""
@@ -27,8 +30,22 @@ OFF_POLICY: dict[str, str] = {
     "mis": "trainer.losses:weights_mis",
     "seq_tis": "trainer.losses:weights_seq_tis",
     "seq_mis": "trainer.losses:weights_seq_mis",
+    "geo_seq_tis": "trainer.losses:weights_geo_seq_tis",  # truncated geometric-mean sequence ratio
+    "geo_seq_mis": "trainer.losses:weights_seq_mis",  # seq_mis already masks on the geometric mean
+    "m2po": "trainer.losses:weights_m2po",  # drop the largest (log r)^2 until their mean is <= m2po_tau
+    "opsm": "trainer.losses:weights_opsm",  # drop negative-advantage sequences that drifted past opsm_delta
 }
 """``trainer.off_policy``: importance weights against the engine's behaviour log-probs."""
+
+ADVANTAGES: dict[str, str] = {
+    "grpo": "trainer.losses:group_plan",
+    "dapo": "trainer.losses:group_plan",
+    "gspo": "trainer.losses:group_plan",
+    "cispo": "trainer.losses:group_plan",
+    "rloo": "trainer.losses:rloo_plan",
+    "reinforce_pp": "trainer.losses:batch_plan",
+}
+"""The advantage estimator of each policy loss (one not listed here uses GRPO's group normalisation)."""
 
 KL_ESTIMATORS: dict[str, str] = {
     "k1": "trainer.losses:kl_k1",
@@ -41,7 +58,7 @@ DISTILL_LOSS_ESTIMATORS: dict[str, str] = {**KL_ESTIMATORS, "topk": "trainer.los
 """``teachers.loss_estimator``: a sampled-token estimator, or the KL over the teacher's top-k tokens."""
 
 _TABLES = {"loss": POLICY_LOSSES, "off_policy": OFF_POLICY, "kl_estimator": KL_ESTIMATORS,
-           "distill_loss_estimator": DISTILL_LOSS_ESTIMATORS}  # fmt: skip
+           "distill_loss_estimator": DISTILL_LOSS_ESTIMATORS, "advantages": ADVANTAGES}  # fmt: skip
 
 
 def check(kind: str, name: str) -> str:
