@@ -12,6 +12,16 @@ if TYPE_CHECKING:
     from agentflow.config import JobConfig
 
 
+def _positive_mib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of MiB, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agentflow", description="Agentic environment gym + asynchronous RL trainer")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -45,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-slots", type=int, default=32)
     serve.add_argument("--max-len", type=int, default=2048)
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--max-request-mb", type=_positive_mib, default=64.0, metavar="MIB",
+                       help="largest request body in MiB (default 64); a larger one is refused with HTTP 413 and a "
+                       "JSON error that names the limit")  # fmt: skip
 
     _proxy_parser(sub)
 
@@ -168,7 +181,8 @@ def _run(args: argparse.Namespace) -> int:
 
             key = secrets.token_urlsafe(24)
             print(f"agentflow: AGENTFLOW_ENGINE_KEY not set; this server's key is {key}", file=sys.stderr)
-        serve(args.model_dir, args.host, args.port, key, args.max_slots, args.max_len, args.seed)
+        limit = max(1, int(args.max_request_mb * (1 << 20)))
+        serve(args.model_dir, args.host, args.port, key, args.max_slots, args.max_len, args.seed, limit)
         return 0
     if args.cmd == "envs":
         return _run_envs(args)

@@ -8,13 +8,20 @@ import threading
 from aiohttp import web
 
 from agentflow.engine.embedded import EmbeddedEngine
-from agentflow.engine.server import SGLangServer
+from agentflow.engine.server import DEFAULT_MAX_REQUEST_BYTES, SGLangServer
 
 
 class ServerThread:
     """A server on a background thread with its own event loop (tests, benchmarks, in-process use)."""
 
-    def __init__(self, engine: EmbeddedEngine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ):
         self.engine = engine
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -22,6 +29,7 @@ class ServerThread:
         self.port = port
         self.host = host
         self._api_key = api_key
+        self._max_request_bytes = max_request_bytes
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="sglang-server", daemon=True)
         self._thread.start()
@@ -47,7 +55,7 @@ class ServerThread:
         self._loop.close()
 
     async def _start(self) -> None:
-        server = SGLangServer(self.engine, self._api_key)
+        server = SGLangServer(self.engine, self._api_key, max_request_bytes=self._max_request_bytes)
         self._runner = web.AppRunner(server.app(), handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)

@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -38,8 +39,10 @@ def start_servers(
     max_len: int = 256,
     timeout: float = 90.0,
     quiet: bool = True,
+    extra_args: Sequence[str] = (),
 ) -> tuple[list[subprocess.Popen], list[str]]:
-    """``n`` engine servers (seeds 0..n-1) with API key ``key``; returns the processes and their base URLs."""
+    """``n`` engine servers (seeds 0..n-1) with API key ``key``; returns the processes and their base URLs.
+    ``extra_args``: more ``agentflow serve`` options (e.g. ``--max-request-mb 8``)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AGENTFLOW_ENGINE_KEY": key}
     procs, urls = [], []
     try:
@@ -56,7 +59,7 @@ def start_servers(
                 "--seed",
                 str(i),
             ]
-            cmd += ["--max-slots", str(max_slots), "--max-len", str(max_len)]
+            cmd += ["--max-slots", str(max_slots), "--max-len", str(max_len), *extra_args]
             err = subprocess.DEVNULL if quiet else None
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, stderr=err))
             urls.append(f"http://127.0.0.1:{port}")

@@ -13,6 +13,7 @@ Weight versions are strings on the wire (``"default"`` before any update) and in
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
@@ -79,6 +80,30 @@ def validation_error(loc: str, message: str) -> ProtocolError:
     """OpenAI-style body SGLang sends when the request body fails validation (a field of the wrong type)."""
     detail = f"1 validation error:\n  {{'type': 'value_error', 'loc': ('body', '{loc}'), 'msg': '{message}'}}"
     return ProtocolError({"object": "error", "message": detail, "type": "Bad Request", "param": None, "code": 400})
+
+
+def request_too_large(limit: int) -> ProtocolError:
+    """413 for a body over the server's request-size limit (``agentflow serve --max-request-mb``)."""
+    size = f"{limit / (1 << 20):g} MiB ({limit} bytes)"
+    return error_message(
+        f"The request body is larger than this server's limit of {size}; "
+        "send less per request or raise the limit (agentflow serve --max-request-mb).",
+        413,
+    )
+
+
+def json_body(raw: bytes) -> Any:
+    """A request body as JSON. Only UTF-8 is read (RFC 8259), whatever the ``Content-Type`` says; anything else,
+    and text that is not JSON, gets the validation error SGLang sends for a malformed body."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        where = f"byte 0x{raw[exc.start]:02x} at offset {exc.start}"
+        raise validation_error("body", f"the request body is not UTF-8 ({where}); send JSON encoded as UTF-8") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise validation_error("body", f"JSON decode error: {exc}") from exc
 
 
 def error_text(body: Any) -> str:

@@ -12,6 +12,9 @@ keep their own KV and the prefix cache is flushed). Distributed weight updates a
 NCCL on GPUs); with ``load_format: "transfer_mesh"`` they carry TransferMesh's checksummed buckets, and with a
 ``transfer_mesh`` field ``/update_weights_from_tensor`` does too (see :mod:`transfer_mesh.receiver`). Both accept
 ``pause_mode`` (``none`` by default: the engine applies a version between decode steps) and report ``stall_s``.
+A body over the request-size limit (``max_request_bytes``, 64 MiB by default) gets a 413 and one that is not UTF-8
+a 400, both with JSON bodies (SGLang has no limit). Large bodies are parsed and tokenized on worker threads, so
+``/health`` and the other routes keep answering while a multi-megabyte prompt is tokenized.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ PROTECTED = {
     "/get_weights_by_name",
 }
 SERVER_VERSION = "0.5.23-agentflow"
+#: Largest request body by default (``agentflow serve --max-request-mb``); weight updates carry shared-memory
+#: handles, not tensors, so only very large prompt batches come near it.
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 
 
 def _model_files(model_dir: str) -> tuple[Any, tuple[int, ...], dict[str, Any]]:
@@ -77,8 +83,17 @@ class SGLangServer(GenerateRoutes, WeightRoutes):
     :mod:`agentflow.engine.server_generate`, weight updates in :mod:`agentflow.engine.server_weights`.
     """
 
-    def __init__(self, engine: EmbeddedEngine, api_key: str | None = None, model_path: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        api_key: str | None = None,
+        model_path: str | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ) -> None:
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
         self.engine = engine
+        self.max_request_bytes = max_request_bytes
         self.api_key = api_key
         self.model_path = model_path or engine.model_dir
         self.tokenizer, self.eos_ids, self.hf_config = _model_files(engine.model_dir)
@@ -88,13 +103,15 @@ class SGLangServer(GenerateRoutes, WeightRoutes):
         self._session = False
         self._inflight: set[str] = set()
         self._weights_lock = asyncio.Lock()
+        self._workers = None
         self.receivers = WeightReceiverService()
 
     # ------------------------------------------------------------------------------------------------ plumbing
 
     def app(self) -> web.Application:
         """The aiohttp application (auth and error middlewares, every route)."""
-        app = web.Application(middlewares=[self._auth, self._errors], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self._auth, self._errors], client_max_size=self.max_request_bytes)
+        app.on_cleanup.append(self._close_workers)
         get, post = (
             {
                 "/health": self.health,
@@ -142,9 +159,14 @@ class SGLangServer(GenerateRoutes, WeightRoutes):
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
+            if (request.content_length or 0) > self.max_request_bytes:  # refused before a byte of it is read
+                raise P.request_too_large(self.max_request_bytes)
             return await handler(request)
         except P.ProtocolError as exc:
             return web.json_response(exc.body, status=exc.status)
+        except web.HTTPRequestEntityTooLarge:  # aiohttp's (text) 413 for a chunked or compressed body: ours is JSON
+            refused = P.request_too_large(self.max_request_bytes)
+            return web.json_response(refused.body, status=refused.status)
         except web.HTTPException:
             raise
         except (ConnectionResetError, asyncio.CancelledError):
@@ -265,10 +287,11 @@ def serve(
     max_slots: int = 32,
     max_len: int = 2048,
     seed: int = 0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Load ``model_dir`` into an embedded engine and serve it over HTTP until interrupted (``agentflow serve``)."""
     engine = EmbeddedEngine(model_dir, max_slots=max_slots, max_len=max_len, seed=seed)
-    server = SGLangServer(engine, api_key)
+    server = SGLangServer(engine, api_key, max_request_bytes=max_request_bytes)
     try:
         web.run_app(server.app(), host=host, port=port, print=None)
     finally:

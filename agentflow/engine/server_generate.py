@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from agentflow.engine import protocol as P
-from agentflow.engine.server_base import ServerBase
+from agentflow.engine.server_base import OFFLOAD_BYTES, ServerBase
 from agentflow.types import GenerateResult
 
 
@@ -49,16 +49,20 @@ class GenerateRoutes(ServerBase):
     """The ``/generate`` route and the reply objects it builds (SGLang's ``meta_info`` fields)."""
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        encode = (lambda t: self.tokenizer.encode(t).ids) if self.tokenizer is not None else None
-        items, opts = P.parse_generate(
-            await self._body(request), self.engine.model.config.vocab_size, self.context_len, self.eos_ids, encode
-        )
+        raw = await self._raw(request)
+        # JSON, validation and tokenization grow with the body: a large one is handled on a worker thread
+        items, opts = await self._sized(len(raw or b""), OFFLOAD_BYTES, self._parse, raw)
         if opts.stream:
             if opts.batch:
                 raise P.error_message("streaming is supported for a single prompt with n 1 only.")
             return await self._stream(request, items[0], opts)
         replies = await asyncio.gather(*(self._complete(item, opts) for item in items))
         return web.json_response(replies if opts.batch else replies[0])
+
+    def _parse(self, raw: bytes | None) -> tuple[list[P.GenItem], P.GenOptions]:
+        encode = self._encode if self.tokenizer is not None else None
+        vocab = self.engine.model.config.vocab_size
+        return P.parse_generate(self._json(raw), vocab, self.context_len, self.eos_ids, encode)
 
     def _track(self, item: P.GenItem) -> _Track:
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
@@ -160,14 +164,14 @@ class GenerateRoutes(ServerBase):
             meta["e2e_latency"] = time.monotonic() - t0
         if first:
             meta["response_sent_to_client_ts"] = time.time()
-        return {"text": self._text(ids, reason, matched), "output_ids": list(ids), "meta_info": meta}
+        return {"text": await self._text(ids, reason, matched), "output_ids": list(ids), "meta_info": meta}
 
-    def _text(self, ids: list[int], reason: str | None, matched: int | str | None) -> str:
+    async def _text(self, ids: list[int], reason: str | None, matched: int | str | None) -> str:
         if self.tokenizer is None:
             return ""
         if reason == "stop" and isinstance(matched, int):
             ids = ids[:-1]
-        text = self.tokenizer.decode(list(ids))
+        text = await self._decode(list(ids))
         if isinstance(matched, str) and matched in text:
             text = text[: text.index(matched)]
         return text
