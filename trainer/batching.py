@@ -1,7 +1,12 @@
-"""Samples -> padded micro-batches under a token budget.
+"""Samples -> micro-batches under a token budget, padded or packed.
 
 Rows are right-padded (causal attention keeps padding from touching earlier positions). Every tensor is aligned
 with the *targets*: position ``t`` describes token ``t + 1`` predicted from ``ids[: t + 1]``.
+
+Packed micro-batches (``packing=True``) keep that padded ``[b, s-1]`` grid for everything the losses read, and add a
+:class:`Packing`: the same rows laid end to end in one stream without padding, which is what the model runs on. The
+log-prob functions of ``trainer.model`` map their results from the stream back onto the grid, so the losses see the
+same tensors either way; the budget then counts real tokens instead of ``rows * longest``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,70 @@ class VocabMasks:
 
 
 @dataclass
+class Packing:
+    """A micro-batch's rows laid end to end in one stream ``[1, T]``, ``T`` = the sum of the row lengths.
+
+    The model runs on the stream with each row's positions restarting at 0 and attention kept inside each row
+    (``cu_seqlens``, megatron's THD layout). Target-aligned values map between the stream's ``[1, T-1]`` and the
+    micro-batch's ``[b, s-1]`` grid through ``rows``/``cols``/``index``: one entry per real target, grid position
+    ``(rows[j], cols[j])`` is stream position ``index[j]``. Stream positions at a row's last token (which would
+    predict the next row's first token) map to no grid position.
+    """
+
+    input_ids: torch.Tensor  # [1, T] long
+    position_ids: torch.Tensor  # [1, T] long, 0 at each row's first token
+    cu_seqlens: torch.Tensor  # [b + 1] int32, row r is stream[cu_seqlens[r] : cu_seqlens[r + 1]]
+    max_seqlen: int
+    grid: tuple[int, int]  # (b, s - 1)
+    rows: torch.Tensor  # [N] long
+    cols: torch.Tensor  # [N] long
+    index: torch.Tensor  # [N] long
+
+    def to_grid(self, values: torch.Tensor) -> torch.Tensor:
+        """Stream values ``[1, T-1, ...]`` -> grid ``[b, s-1, ...]``, zero at padding (differentiable)."""
+        d = values.device
+        out = values.new_zeros(*self.grid, *values.shape[2:])
+        return out.index_put((self.rows.to(d), self.cols.to(d)), values[0, self.index.to(d)])
+
+    def to_stream(self, values: torch.Tensor) -> torch.Tensor:
+        """Grid values ``[b, s-1, ...]`` -> stream ``[1, T-1, ...]``, zero at the rows' last tokens."""
+        d = values.device
+        out = values.new_zeros(1, self.input_ids.shape[1] - 1, *values.shape[2:])
+        out[0, self.index.to(d)] = values[self.rows.to(d), self.cols.to(d)]
+        return out
+
+    def stream_masks(self, masks: VocabMasks | None) -> VocabMasks | None:
+        """``masks`` (grid positions) at their stream positions."""
+        if masks is None:
+            return None
+        starts = self.cu_seqlens[:-1].long()
+        return VocabMasks(torch.zeros_like(masks.rows), starts[masks.rows] + masks.cols, masks.bits)
+
+
+def pack_rows(input_ids: torch.Tensor, lengths: torch.Tensor) -> Packing:
+    """The :class:`Packing` of right-padded rows ``input_ids [b, s]`` with true ``lengths [b]``."""
+    ns = [int(n) for n in lengths]
+    if not ns or min(ns) < 1:
+        raise ValueError("every packed row needs at least one token")
+    starts = [0]
+    for n in ns:
+        starts.append(starts[-1] + n)
+    targets = [(r, c) for r, n in enumerate(ns) for c in range(n - 1)]
+    rows = torch.tensor([r for r, _ in targets], dtype=torch.long)
+    cols = torch.tensor([c for _, c in targets], dtype=torch.long)
+    return Packing(
+        input_ids=torch.cat([input_ids[r, :n] for r, n in enumerate(ns)]).unsqueeze(0),
+        position_ids=torch.cat([torch.arange(n) for n in ns]).unsqueeze(0),
+        cu_seqlens=torch.tensor(starts, dtype=torch.int32),
+        max_seqlen=max(ns),
+        grid=(len(ns), input_ids.shape[1] - 1),
+        rows=rows,
+        cols=cols,
+        index=torch.tensor(starts[:-1], dtype=torch.long)[rows] + cols,
+    )
+
+
+@dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [b, s] long
     target_mask: torch.Tensor  # [b, s-1] float, 1 where the target token is trained in this phase
@@ -49,6 +118,8 @@ class MicroBatch:
     teacher_top_logprobs: torch.Tensor | None = None  # [b, s-1, k]
     vocab_masks: VocabMasks | None = None
     """Target positions whose token was drawn from a restricted vocabulary (``Sample.vocab_masks``)."""
+    packing: Packing | None = None
+    """The rows as one padding-free stream, when the micro-batch was built packed."""
 
     def attention_mask(self) -> torch.Tensor:
         """[b, s] ones over each row's real tokens, zeros over right padding."""
@@ -62,8 +133,11 @@ def make_micro_batches(
     masks: list[list[int]] | None = None,
     old: list[list[float]] | None = None,
     pad_id: int = 0,
+    packing: bool = False,
 ) -> list[MicroBatch]:
-    """Pack samples (longest first) into micro-batches whose padded size ``rows * max_len`` fits the budget.
+    """Group samples (longest first) into micro-batches that fit the budget: consecutive runs whose padded size
+    ``rows * max_len`` fits, or with ``packing`` first-fit bins of real tokens (each micro-batch then carries its
+    :class:`Packing`). A sample longer than the budget gets a micro-batch of its own.
 
     ``advantages``: one float per sample or one per token; ``masks`` restrict which tokens train (default: each
     sample's loss mask); ``old``: per-token old log-probs aligned with ``token_ids``.
@@ -71,16 +145,31 @@ def make_micro_batches(
     if len(samples) != len(advantages):
         raise ValueError("one advantage (or advantage list) per sample")
     order = sorted(range(len(samples)), key=lambda i: -len(samples[i].token_ids))
-    groups, current = [], []
-    for i in order:
-        longest = len(samples[current[0]].token_ids) if current else len(samples[i].token_ids)
-        if current and (len(current) + 1) * longest > token_budget:
+    groups: list[list[int]] = []
+    if packing:
+        used: list[int] = []
+        for i in order:
+            n = len(samples[i].token_ids)
+            g = next((g for g, u in enumerate(used) if u + n <= token_budget), len(groups))
+            if g == len(groups):
+                groups.append([])
+                used.append(0)
+            groups[g].append(i)
+            used[g] += n
+    else:
+        current: list[int] = []
+        for i in order:
+            longest = len(samples[current[0]].token_ids) if current else len(samples[i].token_ids)
+            if current and (len(current) + 1) * longest > token_budget:
+                groups.append(current)
+                current = []
+            current.append(i)
+        if current:
             groups.append(current)
-            current = []
-        current.append(i)
-    if current:
-        groups.append(current)
-    return [_collate(samples, g, advantages, masks, old, pad_id) for g in groups]
+    batches = [_collate(samples, g, advantages, masks, old, pad_id) for g in groups]
+    for mb in batches if packing else ():
+        mb.packing = pack_rows(mb.input_ids, mb.lengths)
+    return batches
 
 
 def _row(values: list[float], n: int) -> torch.Tensor:

@@ -42,7 +42,10 @@ class OptimFields(_Section):
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
     micro_batch_tokens: int = Field(4096, ge=1)
-    """Token budget of one padded micro-batch (gradient accumulation across micro-batches)."""
+    """Token budget of one micro-batch (gradient accumulation across them): real tokens when packed, ``rows *
+    longest row`` when padded."""
+    packing: bool = True
+    """Pack each micro-batch's sequences end to end without padding (same results, no work on padding)."""
     seed: int = 0
     """Trainer seed."""
 

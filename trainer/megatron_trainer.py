@@ -31,6 +31,7 @@ from trainer.model import (
     load_hf_dir,
     load_into_model,
     save_hf_dir,
+    supports_packing,
     token_logprobs,
     token_logprobs_and_entropy,
     token_logprobs_at,
@@ -103,6 +104,8 @@ class MegatronTrainer:
             )
             scheduled = self.optimizer
         self.model.train()
+        self.packing = settings.packing and supports_packing(model)
+        """Whether micro-batches are packed (``settings.packing``, unless the layer spec cannot attend packed)."""
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, partial(lr_factor, settings=settings))
         self.version = 0
         self.step = 0
@@ -158,7 +161,7 @@ class MegatronTrainer:
             my_rows = []
         adv, masks, old = ([r[k] for r in my_rows] for k in range(3))
         has_old = bool(old) and old[0] is not None
-        batches = make_micro_batches(mine, adv, self.settings.micro_batch_tokens, masks, old if has_old else None)
+        batches = self._micro_batches(mine, adv, masks, old if has_old else None)
         counted = self._dp_sum(sum(b.num_tokens for b in batches))  # global token count
         denom = float(max(counted, max((s.norm_tokens for s in samples), default=0), 1))
         seqs = float(max(self._dp_sum(sum(int((b.target_mask.sum(-1) > 0).sum()) for b in batches)), 1))
@@ -182,13 +185,20 @@ class MegatronTrainer:
         """The trainer's log-probs of every token before the update (aligned with ``token_ids``; position 0 = 0)."""
         out: list[list[float]] = [[] for _ in samples]
         zeros = [0.0] * len(samples)
-        for mb in make_micro_batches(samples, zeros, self.settings.micro_batch_tokens):
+        for mb in self._micro_batches(samples, zeros):
             logp = token_logprobs(
-                self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature, mb.vocab_masks
+                self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature, mb.vocab_masks, mb.packing
             )
             for r, i in enumerate(mb.rows):
                 out[i] = [0.0] + logp[r, : int(mb.lengths[r]) - 1].tolist()
         return out
+
+    def _micro_batches(
+        self, samples: list[Sample], adv: list, masks: list | None = None, old: list | None = None
+    ) -> list[MicroBatch]:
+        """``make_micro_batches`` under this trainer's token budget, packed when :attr:`packing`."""
+        budget = self.settings.micro_batch_tokens
+        return make_micro_batches(samples, adv, budget, masks, old, packing=self.packing)
 
     # -- data parallelism (world size 1 here: identity; the parallel trainer group overrides these) -----------------
     def _dp_shard(self, samples: list[Sample], rows: list[Any]) -> tuple[list[Sample], list[Any]]:
@@ -218,7 +228,7 @@ class MegatronTrainer:
 
     def _micro_step(self, mb: MicroBatch, cfg: LossSettings, denom: float, seqs: float, single: bool) -> dict:
         if cfg.name == "sft":
-            logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask())
+            logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask(), packing=mb.packing)
             value = sft_loss(logp, mb.target_mask, denom)
             value.backward()
             return {"loss": float(value.detach()) * denom}
@@ -228,15 +238,17 @@ class MegatronTrainer:
             raise ValueError("the top-k distillation loss needs temperature 1, no entropy bonus and teacher top-k ids")
         if topk:
             logp, student_top = token_logprobs_at(
-                self.model, mb.input_ids, mb.teacher_top_ids, mb.attention_mask(), mb.vocab_masks
+                self.model, mb.input_ids, mb.teacher_top_ids, mb.attention_mask(), mb.vocab_masks, mb.packing
             )
         elif cfg.entropy_coef > 0:
             if self.settings.temperature != 1.0:
                 raise ValueError("the entropy bonus is defined at temperature 1; set rollout.temperature=1")
-            logp, entropy = token_logprobs_and_entropy(self.model, mb.input_ids, mb.attention_mask(), mb.vocab_masks)
+            logp, entropy = token_logprobs_and_entropy(
+                self.model, mb.input_ids, mb.attention_mask(), mb.vocab_masks, mb.packing
+            )
         else:
             logp = token_logprobs(
-                self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature, mb.vocab_masks
+                self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature, mb.vocab_masks, mb.packing
             )
         if mb.old_logprobs is not None:
             old = mb.old_logprobs
@@ -254,10 +266,9 @@ class MegatronTrainer:
     @torch.no_grad()
     def eval_nll(self, samples: list[Sample]) -> float:
         """Token-level mean negative log-likelihood of the model tokens (SFT validation loss)."""
-        batches = make_micro_batches(samples, [0.0] * len(samples), self.settings.micro_batch_tokens)
         total, count = 0.0, 0
-        for mb in batches:
-            logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask())
+        for mb in self._micro_batches(samples, [0.0] * len(samples)):
+            logp = token_logprobs(self.model, mb.input_ids, mb.attention_mask(), packing=mb.packing)
             total += float(-(logp * mb.target_mask).sum())
             count += mb.num_tokens
         return total / max(count, 1)

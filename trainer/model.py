@@ -7,6 +7,10 @@ Three patch-free adaptations make megatron-core 0.16.1 run on CPU (docs/decision
    scratch buffer; ``get_default_causal_mask`` defaults to CUDA);
 3. ``model.rotary_pos_emb`` is :class:`CPURotaryEmbedding` (the stock one moves ``inv_freq`` to CUDA).
 
+Packed micro-batches (``trainer.batching.Packing``) run in megatron's THD layout: ``PackedSeqParams`` makes RoPE
+restart at every sequence and :class:`SDPACoreAttention` attends within each one (on GPU also TransformerEngine's
+attention; megatron's local ``DotProductAttention`` cannot, see :func:`supports_packing`).
+
 Weights cross the HF boundary only through ``transfer_mesh.layouts``. Under TP > 1 every rank loads the full HF
 state and keeps its shard; export all-gathers shards over the TP group.
 
@@ -29,6 +33,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -36,7 +41,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors.torch import save_file
 from torch import Tensor
 
-from trainer.batching import VocabMasks
+from trainer.batching import Packing, VocabMasks
 from trainer.dist import init_distributed_cpu, is_rank_zero, tp_rank_and_size
 from transfer_mesh import hf
 from transfer_mesh.layouts import (
@@ -88,7 +93,9 @@ class SDPACoreAttention(MegatronModule):
 
     Inputs follow megatron's layout: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]``; output
     ``[sq, b, np * hn]``. ``attention_mask`` is megatron's boolean mask (True = masked out), broadcastable to
-    ``[b, np, sq, sk]``, or None for plain causal attention.
+    ``[b, np, sq, sk]``, or None for plain causal attention. Packed sequences (``packed_seq_params`` in the THD
+    layout: query ``[t, np, hn]``, key/value ``[t, ng, hn]``) attend causally within each sequence, one SDPA call per
+    sequence, so no work is spent on pairs across sequences; output ``[t, np * hn]``.
     """
 
     def __init__(
@@ -123,8 +130,10 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params: object | None = None,
     ) -> Tensor:
         """Attend; causal unless the mask type says otherwise."""
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention does not support attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b = query.shape[0], query.shape[1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.heads != self.groups:
@@ -144,6 +153,29 @@ class SDPACoreAttention(MegatronModule):
                 q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.softmax_scale
             )
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, params: PackedSeqParams) -> Tensor:
+        """Causal attention inside each sequence of a THD-packed stream."""
+        if params.qkv_format != "thd" or params.cu_seqlens_q_padded is not None:
+            raise NotImplementedError("SDPACoreAttention packs sequences in the unpadded THD layout only")
+        if self.attn_mask_type != AttnMaskType.causal:
+            raise NotImplementedError("SDPACoreAttention packs causal attention only")
+        if not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv):
+            raise ValueError("packed queries and keys must share their sequence boundaries")
+        if self.heads != self.groups:
+            key = key.repeat_interleave(self.heads // self.groups, dim=1)
+            value = value.repeat_interleave(self.heads // self.groups, dim=1)
+        dropout = self.dropout_p if self.training else 0.0
+        cu = params.cu_seqlens_q.tolist()
+        lengths = [e - a for a, e in zip(cu[:-1], cu[1:], strict=True)]
+        # split, not slicing: its backward concatenates, where each slice's would fill a full-size zero gradient;
+        # 4-d [1, heads, n, hn] pieces take torch's CPU flash kernel (3-d ones fall back to the math path)
+        parts = []
+        for q, k, v in zip(*(t.split(lengths) for t in (query, key, value)), strict=True):
+            q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale)
+            parts.append(out.squeeze(0).permute(1, 0, 2))
+        return torch.cat(parts).reshape(query.shape[0], -1)
 
 
 class CPURotaryEmbedding(RotaryEmbedding):
@@ -313,6 +345,14 @@ _TE_RENAMES = (
 )
 
 
+def supports_packing(model: torch.nn.Module) -> bool:
+    """Whether the model's core attention takes packed (THD) sequences: :class:`SDPACoreAttention` (the CPU spec)
+    or TransformerEngine's; megatron's local ``DotProductAttention`` does not."""
+    layers = unwrap_model(model).decoder.layers
+    core = type(layers[0].self_attention.core_attention) if len(layers) else SDPACoreAttention
+    return issubclass(core, SDPACoreAttention) or core.__name__ == "TEDotProductAttention"
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The ``GPTModel`` inside Megatron's DDP and ``Float16Module`` wrappers (the model itself when unwrapped)."""
     while not isinstance(model, GPTModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
@@ -429,6 +469,40 @@ def _logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | 
     return logits.float()
 
 
+def _stream_logits(model: torch.nn.Module, packing: Packing) -> Tensor:
+    """fp32 logits ``[1, T, v/tp]`` of a packed stream: megatron's THD layout (``PackedSeqParams``), so RoPE
+    positions restart at every row and attention stays inside it. Runs on the model's device."""
+    device = next(model.parameters()).device
+    cu = packing.cu_seqlens.to(device)
+    n = packing.max_seqlen
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+    ids, pos = packing.input_ids.to(device), packing.position_ids.to(device)
+    return model(ids, pos, attention_mask=None, packed_seq_params=params).float()
+
+
+def _target_logits(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    vocab_masks: VocabMasks | None,
+    packing: Packing | None,
+) -> tuple[Tensor, Tensor]:
+    """Restricted target-aligned logits and their target ids, on the model's device: over the ``[b, s-1]`` grid of
+    ``input_ids``, or with ``packing`` over the ``[1, T-1]`` positions of its stream."""
+    if packing is None:
+        logits = restrict(_logits(model, input_ids, attention_mask)[:, :-1], vocab_masks)
+        return logits, input_ids[:, 1:].to(logits.device)
+    logits = restrict(_stream_logits(model, packing)[:, :-1], packing.stream_masks(vocab_masks))
+    return logits, packing.input_ids[:, 1:].to(logits.device)
+
+
+def _on_grid(values: Tensor, input_ids: Tensor, attention_mask: Tensor | None, packing: Packing | None) -> Tensor:
+    """Per-target values on the grid of ``input_ids`` (its device), zero where the target is padding."""
+    if packing is not None:
+        return packing.to_grid(values).to(input_ids.device)
+    return _mask_targets(values.to(input_ids.device), attention_mask)
+
+
 #: Logit given to tokens outside a restricted vocabulary: finite, so a TP shard with no allowed token does not turn
 #: the vocab-parallel max into NaN; exp() of it is exactly 0 in fp32.
 _MASKED_LOGIT = -1e30
@@ -481,6 +555,7 @@ def token_logprobs(
     attention_mask: Tensor | None = None,
     temperature: float = 1.0,
     vocab_masks: VocabMasks | None = None,
+    packing: Packing | None = None,
 ) -> Tensor:
     """``log p(ids[:, t+1] | ids[:, :t+1])`` as fp32 ``[b, s-1]``; zero where the target is right padding.
 
@@ -488,16 +563,17 @@ def token_logprobs(
     sampled at that temperature (after temperature, before top-k/top-p; docs/architecture.md). Differentiable;
     vocab-parallel under TP (megatron's ``vocab_parallel_cross_entropy``). ``vocab_masks``: positions whose token
     was drawn from a restricted vocabulary (structured output) get the log-prob of that restricted distribution.
+    ``packing`` (``trainer.batching.Packing`` of these rows): the model runs on the padding-free stream instead,
+    with the same result on the same grid.
     """
-    logits = restrict(_logits(model, input_ids, attention_mask)[:, :-1], vocab_masks)
+    logits, targets = _target_logits(model, input_ids, attention_mask, vocab_masks, packing)
     if temperature != 1.0:
         logits = logits / temperature
-    targets = input_ids[:, 1:].to(logits.device)
     if tp_rank_and_size()[1] > 1:
         logp = -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), targets.contiguous())
     else:
         logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return _mask_targets(logp.to(input_ids.device), attention_mask)
+    return _on_grid(logp, input_ids, attention_mask, packing)
 
 
 def token_logprobs_at(
@@ -506,31 +582,38 @@ def token_logprobs_at(
     extra_ids: Tensor,
     attention_mask: Tensor | None = None,
     vocab_masks: VocabMasks | None = None,
+    packing: Packing | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs (as :func:`token_logprobs`, temperature 1) and the log-probs of ``extra_ids``
     ``[b, s-1, k]`` at each position (the teacher's top-k tokens, for a top-k KL). Vocab shards are gathered
     under TP."""
-    logits = restrict(_logits(model, input_ids, attention_mask)[:, :-1], vocab_masks)
+    logits, targets = _target_logits(model, input_ids, attention_mask, vocab_masks, packing)
     if tp_rank_and_size()[1] > 1:
         logits = _GatherLastDim.apply(logits)
     logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, input_ids[:, 1:].to(logits.device).unsqueeze(-1)).squeeze(-1)
-    extra = logp_all.gather(-1, extra_ids.to(logits.device))
-    return _mask_targets(logp.to(input_ids.device), attention_mask), extra.to(input_ids.device)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if packing is None:
+        extra = logp_all.gather(-1, extra_ids.to(logits.device)).to(input_ids.device)
+    else:
+        extra = packing.to_grid(logp_all.gather(-1, packing.to_stream(extra_ids.to(logits.device))))
+    return _on_grid(logp, input_ids, attention_mask, packing), extra.to(input_ids.device)
 
 
 def token_logprobs_and_entropy(
-    model: GPTModel, input_ids: Tensor, attention_mask: Tensor | None = None, vocab_masks: VocabMasks | None = None
+    model: GPTModel,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    vocab_masks: VocabMasks | None = None,
+    packing: Packing | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs (as :func:`token_logprobs`) and the entropy of each next-token distribution, ``[b, s-1]``.
 
     Under TP the vocab shards are all-gathered (differentiably) before the softmax.
     """
-    logits = restrict(_logits(model, input_ids, attention_mask)[:, :-1], vocab_masks)
+    logits, targets = _target_logits(model, input_ids, attention_mask, vocab_masks, packing)
     if tp_rank_and_size()[1] > 1:
         logits = _GatherLastDim.apply(logits)
     logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, input_ids[:, 1:].to(logits.device).unsqueeze(-1)).squeeze(-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    logp, entropy = logp.to(input_ids.device), entropy.to(input_ids.device)
-    return _mask_targets(logp, attention_mask), _mask_targets(entropy, attention_mask)
+    return _on_grid(logp, input_ids, attention_mask, packing), _on_grid(entropy, input_ids, attention_mask, packing)
