@@ -75,9 +75,22 @@ class LossFields(_Section):
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus weight (needs rollout temperature 1)."""
     turn_credit: bool = False
-    """Turn-level credit: per-turn returns, updates in reverse turn order (after RTPO)."""
+    """Turn-level credit: per-turn returns, updates in reverse turn order (after RTPO). With ``ppo``: each turn's
+    reward at its last model token (instead of the episode's at the last one), one update."""
     gamma: float = Field(1.0, ge=0, le=1)
-    """Discount of per-turn returns."""
+    """Discount of per-turn returns; with ``ppo``, GAE's discount per model token."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """``ppo``: GAE's lambda (1: Monte-Carlo returns minus the value; 0: one-step TD errors)."""
+    value_coef: float = Field(1.0, ge=0)
+    """``ppo``: weight of the value loss in the critic's objective (it scales the critic's gradient before clipping;
+    the critic has its own optimizer, so it never trades off against the policy loss)."""
+    value_clip: float | None = Field(0.5, gt=0)
+    """``ppo``: the most a value may move from the one its advantage came from before the clipped term takes over
+    (PPO's value clipping; ``null`` turns it off). Active from the second optimizer step on a batch."""
+    critic_lr: float | None = Field(None, gt=0)
+    """``ppo``: peak learning rate of the critic (default: ``lr``); it follows the policy's LR schedule."""
+    whiten_advantages: bool = True
+    """``ppo``: normalise the GAE advantages over the batch's model tokens (mean 0, std 1); returns stay raw."""
     m2po_tau: float = Field(0.04, gt=0)
     """``m2po``: the most the kept tokens' mean squared log-ratio (second moment) may be."""
     opsm_delta: float = Field(1e-4, ge=0)
@@ -101,8 +114,8 @@ class TrainerConfig(OptimFields, LossFields):
     loss: str = "grpo"
     """Policy loss (``trainer/registry.py``; trainer/losses.py documents each): token-level ``grpo``, ``dapo``
     (GRPO's loss; pair it with ``clip_high > clip_low``), ``gspo`` (sequence-level ratios), ``rloo``
-    (leave-one-out baseline), ``reinforce_pp`` (batch-normalised returns), ``cispo`` (clipped IS weights), or
-    ``sft``."""
+    (leave-one-out baseline), ``reinforce_pp`` (batch-normalised returns), ``cispo`` (clipped IS weights), ``ppo``
+    (GAE advantages from a value model trained beside the policy), or ``sft``."""
     drop_uniform_groups: bool = True
     """DAPO's dynamic sampling: leave out groups whose rewards are all equal (their GRPO advantage is zero), so they
     cost no trainer time and do not dilute the token-level average. A batch with none left is a no-op step."""

@@ -27,6 +27,16 @@ How each departs from its paper:
   the clip bounds the detached weight only, so every token keeps its gradient (the PPO clip drops the gradient of
   clipped tokens). Token-level averaging as GRPO. The paper clips only above; set ``clip_low >= 1`` for that.
   ``clip_frac`` counts tokens whose weight was clipped.
+* **PPO with a value model** (Schulman et al. 2017; GAE: Schulman et al. 2016), ``trainer.critic``: a critic of the
+  policy's architecture, initialised from the policy's weights with a zero-initialised scalar head, gives ``V_t`` at
+  every model token; GAE with ``gamma``/``lam`` runs over the model tokens only (environment tokens between turns
+  belong to the transition and add no step), with the episode reward at the last model token or, with
+  ``turn_credit``, each turn's reward at its last model token. Advantages are whitened over the batch's model tokens
+  (``whiten_advantages``) and feed GRPO's clipped token surrogate (with the same off-policy correction and
+  token-level averaging); the critic regresses the returns ``A + V_old`` with PPO's clipped value loss
+  (``value_clip``, ``value_coef``). Departures: no KL penalty in the reward (``kl_coef`` stays a loss term), one
+  pass over each batch (``minibatches`` splits it; no PPO epochs), the critic has its own optimizer instead of a
+  shared loss ``L_pi + c * L_V``, and a truncated episode is treated as terminal.
 * **Off-policy corrections** against the engine's behaviour log-probs (asynchronous rollouts): token-level truncated
   IS ``min(r, C)`` (``tis``), token masking ``[low <= r <= C]`` (``mis``), sequence-level truncated IS of the product
   of ratios (``seq_tis``) or sequence masking on the geometric mean (``seq_mis``, also named ``geo_seq_mis``),

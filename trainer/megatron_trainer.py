@@ -23,6 +23,7 @@ import torch
 
 from trainer import registry
 from trainer.batching import MicroBatch, collate_vocab_masks, make_micro_batches
+from trainer.critic import Critic, GAEPlan, critic_rows
 from trainer.dist import dp_rank_and_size, init_distributed
 from trainer.losses import LossInputs, plan_advantages, policy_loss, sft_loss
 from trainer.model import (
@@ -109,6 +110,12 @@ class MegatronTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, partial(lr_factor, settings=settings))
         self.version = 0
         self.step = 0
+        self.critic: Critic | None = None
+        """PPO's value model (``trainer.critic``), built when the configured loss is ``ppo``."""
+        if settings.loss.name == "ppo":
+            schedule = partial(lr_factor, settings=settings)
+            self.critic = Critic(self.spec, hf_state, settings, self._micro_batches, schedule, self.device, bf16,
+                                 layer_spec, self.tp_group, self.dp_group, self.dp_size)  # fmt: skip
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -128,18 +135,20 @@ class MegatronTrainer:
             cfg = cfg.model_copy(update={"name": registry.check("loss", loss)})
         if not samples:
             self.scheduler.step()
+            if self.critic is not None:
+                self.critic.scheduler.step()
             self.version += 1
             self.step += 1
             return {"skipped": 1.0, "samples": 0.0}
         t0 = time.perf_counter()
-        plan = plan_advantages(samples, cfg)
+        plan = self._ppo_critic().plan(samples, cfg) if cfg.name == "ppo" else plan_advantages(samples, cfg)
         old = self._old_logprobs(samples) if cfg.recompute_old and cfg.name != "sft" else None
         single = len(plan.phases) == 1 and cfg.minibatches == 1
         totals: dict[str, float] = {}
         updates = 0
         for phase in plan.phases:
             for part in _split(len(samples), cfg.minibatches):
-                rows = [(plan.advantages[i], phase[i], old[i] if old else None) for i in part]
+                rows = [(plan.advantages[i], phase[i], old[i] if old else None, *critic_rows(plan, i)) for i in part]
                 for k, v in self._update([samples[i] for i in part], rows, cfg, single).items():
                     totals[k] = totals.get(k, 0.0) + v
                 updates += 1
@@ -152,7 +161,14 @@ class MegatronTrainer:
             adv_abs_mean=_adv_abs_mean(plan.advantages, samples),
             train_s=time.perf_counter() - t0,
         )
+        if isinstance(plan, GAEPlan):
+            metrics.update(plan.stats)
         return metrics
+
+    def _ppo_critic(self) -> Critic:
+        if self.critic is None:
+            raise ValueError("the ppo loss trains a critic, which is built only when the configured loss is ppo")
+        return self.critic
 
     def _update(self, samples: list[Sample], rows: list[tuple], cfg: LossSettings, single: bool) -> dict[str, float]:
         """One optimizer step over ``samples`` (gradient accumulation across micro-batches)."""
@@ -178,6 +194,8 @@ class MegatronTrainer:
         metrics = {k: v / denom for k, v in sums.items()}
         metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], tokens=denom)
         metrics["micro_batches"] = float(len(batches))
+        if cfg.name == "ppo":  # the critic's own step on the same rows (returns and old values ride along)
+            metrics.update(self._ppo_critic().update(mine, my_rows, float(max(counted, 1)), cfg))
         return metrics
 
     @torch.no_grad()
@@ -310,6 +328,8 @@ class MegatronTrainer:
             "version": self.version,
             "extra": extra or {},
         }
+        if self.critic is not None:
+            state["critic"] = self.critic.state_dict()
         tmp = p.with_suffix(".tmp")
         tmp.unlink(missing_ok=True)  # the leftover of a write a crash cut short
         with open(tmp, "wb") as f:
@@ -324,6 +344,10 @@ class MegatronTrainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.critic is not None:
+            if "critic" not in state:
+                raise ValueError(f"checkpoint {path} holds no critic (it was not saved by a ppo run)")
+            self.critic.load_state_dict(state["critic"])
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])

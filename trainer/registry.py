@@ -20,6 +20,7 @@ POLICY_LOSSES: dict[str, str] = {
     "rloo": "trainer.losses:token_surrogate",  # GRPO's loss on leave-one-out advantages
     "reinforce_pp": "trainer.losses:token_surrogate",  # GRPO's loss on batch-normalised returns (REINFORCE++)
     "cispo": "trainer.losses:cispo_surrogate",  # clipped detached IS weight times A log pi, every token's gradient
+    "ppo": "trainer.losses:token_surrogate",  # the clipped surrogate on GAE advantages from a critic (trainer.critic)
     "sft": "trainer.losses:nll",  # imitation: negative log-likelihood of the model tokens
 }
 """``trainer.loss``: the policy objective."""
@@ -44,6 +45,7 @@ ADVANTAGES: dict[str, str] = {
     "cispo": "trainer.losses:group_plan",
     "rloo": "trainer.losses:rloo_plan",
     "reinforce_pp": "trainer.losses:batch_plan",
+    "ppo": "trainer.critic:gae_plan",  # needs the critic's values: the trainer calls it with them
 }
 """The advantage estimator of each policy loss (one not listed here uses GRPO's group normalisation)."""
 
