@@ -280,6 +280,7 @@ def test_constrained_generation_is_schema_valid_and_replays_exactly(live, case) 
     from agentflow.structured import grammars_for, request_grammar
 
     client, server, ref = live
+    client.update_weights(next(VERSIONS), base_weights(server.model_dir))  # earlier tests left other weights
     tok = ChatTokenizer(server.model_dir)
     tools, choice, fmt = CONSTRAINED[case]
     grammar = request_grammar(tools, choice, False, fmt, 96, lambda t: len(tok.encode(t)))
