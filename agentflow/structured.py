@@ -17,6 +17,7 @@ budget ran out and return half a tool call. What was bounded is reported back (:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import threading
 from collections.abc import Callable
@@ -323,6 +324,31 @@ class Grammars:
             while len(self._compiled) > _CACHED:
                 self._compiled.pop(next(iter(self._compiled)))
         return start.deep_copy()
+
+    def masks_into(self, rows: list[tuple[Any, bool]], out: torch.Tensor) -> list[str | None]:
+        """:meth:`mask_into` for several ``(matcher, canonical)`` rows at once into ``out [rows, words]``. A
+        canonical row whose next token is forced gets its one-token mask without a mask computation (half the
+        tokens of a tool call are forced); the others' masks come from one llguidance call for the batch.
+        Returns per row an error or None."""
+        errors: list[str | None] = [m.get_error() if m.is_error() else None for m, _ in rows]
+        rest = []
+        for i, (m, canonical) in enumerate(rows):
+            forced = m.compute_ff_tokens() if canonical and errors[i] is None else None
+            if forced:
+                out[i, forced[0] // 32] = _bit(forced[0] % 32)  # ``out`` rows start zeroed
+            elif errors[i] is None:
+                rest.append((m, i))
+        if rest:
+            self._executor.unsafe_compute_mask_ptr(rest, out.data_ptr(), self.words * 4, len(rows))
+            for m, i in rest:
+                errors[i] = m.get_error() if m.is_error() else None
+        return errors
+
+    @functools.cached_property
+    def _executor(self) -> Any:
+        from llguidance import LLExecutor
+
+        return LLExecutor(num_threads=1)
 
     def check(self, lark: str) -> None:
         self.matcher(lark)

@@ -18,8 +18,9 @@ from agentflow.structured import Grammars, allowed, grammars_for, is_canonical
 from agentflow.threads import DaemonExecutor
 from agentflow.types import SamplingParams
 
-PendingMasks = tuple[list[int], torch.Tensor, list[str | None]]
-"""Rows with a grammar, which tokens each allows (bool ``[rows, vocab]``), and per request an error or None."""
+PendingMasks = tuple[torch.Tensor | None, list[str | None]]
+"""Per request an additive logit bias (``[B, vocab]``: 0 where its grammar allows a token, -inf elsewhere; None
+when no row is masked), and per request an error or None."""
 
 
 @dataclass(eq=False)
@@ -73,17 +74,21 @@ class OutputRules:
         rows = [i for i, r in enumerate(rules) if r is not None and r.matcher is not None]
         errors: list[str | None] = [None] * len(rules)
         words = torch.zeros(len(rows), self.grammars.words, dtype=torch.int32)
-        for j, i in enumerate(rows):
-            rule = rules[i]
-            assert rule is not None
-            try:
-                self.grammars.mask_into(rule.matcher, words[j], rule.canonical)
-            except ValueError as e:
-                errors[i] = f"grammar error: {e}"
+        pairs = [(r.matcher, r.canonical) for r in (rules[i] for i in rows) if r is not None]
+        for j, problem in enumerate(self.grammars.masks_into(pairs, words)):
+            if problem is not None:
+                errors[rows[j]] = f"grammar error: {problem}"
         ok = allowed(words, self.vocab)
         for j in (~ok.any(dim=1)).nonzero().flatten().tolist():
             errors[rows[j]] = errors[rows[j]] or "grammar error: no token is allowed"
-        return rows, ok, errors
+        keep = [j for j, i in enumerate(rows) if errors[i] is None]  # a failed row is dropped, not sampled masked
+        if not keep:
+            return None, errors
+        # An additive bias (0 where allowed, -inf elsewhere): adding it costs a few microseconds on the decode
+        # thread, where a masked_fill with the boolean mask cost over a hundred.
+        bias = torch.zeros(len(rules), self.vocab)
+        bias[[rows[j] for j in keep]] = torch.log(ok[keep].float())
+        return bias, errors
 
     @cached_property
     def _worker(self) -> DaemonExecutor:
@@ -94,12 +99,9 @@ class OutputRules:
     ) -> tuple[torch.Tensor, list[str | None]]:
         """``logits [B, V]`` with each row masked by its grammar (a new tensor: the model's are inference
         tensors), and per row an error or None. ``pending``: the masks :meth:`start` computed for these rules."""
-        rows, ok, errors = pending if pending is not None else self.compute(rules)
-        keep = [j for j, i in enumerate(rows) if errors[i] is None]  # a failed row is dropped, not sampled masked
-        if keep:
-            full = torch.ones(logits.shape, dtype=torch.bool)
-            full[[rows[j] for j in keep]] = ok[keep] if len(keep) < len(rows) else ok
-            logits = logits.masked_fill(~full, float("-inf"))
+        bias, errors = pending if pending is not None else self.compute(rules)
+        if bias is not None:
+            logits = logits + bias[:, : logits.shape[-1]]
         return logits, errors
 
     def accept(self, rules: RequestRules, output: list[int]) -> tuple[bool, str | None]:
