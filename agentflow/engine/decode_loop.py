@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from agentflow.engine.output_rules import OutputRules, PendingMasks, RequestRules, top_alternatives
+from agentflow.engine.output_rules import OutputRules, RequestRules, top_alternatives
 from agentflow.engine.qwen2 import DecoderModel, KVCache
 from agentflow.engine.sampling import sample_batch
 from agentflow.types import FinishReason, GenerateResult, PauseMode, SamplingParams, ScoreResult
@@ -209,23 +209,21 @@ class DecodeLoop:
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.long)
         tokens = torch.tensor([r.output[-1] for r in reqs], dtype=torch.long)
         positions = torch.tensor([r.cached for r in reqs], dtype=torch.long)
-        rules = [r.rules for r in reqs]
-        pending = self.output_rules.start(rules) if any(r is not None and r.matcher for r in rules) else None
         t0 = time.perf_counter()
         logits = self.model.decode(self.cache, slots, tokens, positions)
         self._stats["busy_seconds"] += time.perf_counter() - t0
         self._stats["decode_steps"] += 1
         for r in reqs:
             r.cached += 1
-        self._accept(reqs, logits, pending.result() if pending is not None else None)
+        self._accept(reqs, logits)
 
-    def _accept(self, reqs: list[Request], logits: torch.Tensor, masks: PendingMasks | None = None) -> None:
-        """Sample one token per request from ``logits`` (masked by grammars; ``masks`` computed during the forward
-        pass), stamp it, and finish requests that are done."""
+    def _accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Sample one token per request from ``logits`` (masked by grammars), stamp it, and finish requests that
+        are done."""
         rules = [r.rules for r in reqs]
         errors: list[str | None] = [None] * len(reqs)
         if any(rules):
-            logits, errors = self.output_rules.mask(logits, rules, masks)
+            logits, errors = self.output_rules.mask(logits, rules)
         params = [r.sampling for r in reqs]
         picks = sample_batch(logits, params, [r.generator for r in reqs])
         tops = top_alternatives(logits, params) if any(p.top_logprobs for p in params) else None
