@@ -94,8 +94,8 @@ class SDPACoreAttention(MegatronModule):
     Inputs follow megatron's layout: query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]``; output
     ``[sq, b, np * hn]``. ``attention_mask`` is megatron's boolean mask (True = masked out), broadcastable to
     ``[b, np, sq, sk]``, or None for plain causal attention. Packed sequences (``packed_seq_params`` in the THD
-    layout: query ``[t, np, hn]``, key/value ``[t, ng, hn]``) attend causally within each sequence, one SDPA call per
-    sequence, so no work is spent on pairs across sequences; output ``[t, np * hn]``.
+    layout: query ``[t, np, hn]``, key/value ``[t, ng, hn]``) attend causally within each sequence (one SDPA call per
+    run of equal-length sequences), so no work is spent on pairs across sequences; output ``[t, np * hn]``.
     """
 
     def __init__(
@@ -167,15 +167,21 @@ class SDPACoreAttention(MegatronModule):
             value = value.repeat_interleave(self.heads // self.groups, dim=1)
         dropout = self.dropout_p if self.training else 0.0
         cu = params.cu_seqlens_q.tolist()
-        lengths = [e - a for a, e in zip(cu[:-1], cu[1:], strict=True)]
+        runs: list[list[int]] = []  # [length, count] of consecutive sequences of one length: one SDPA call each
+        for n in (e - a for a, e in zip(cu[:-1], cu[1:], strict=True)):
+            if runs and runs[-1][0] == n:
+                runs[-1][1] += 1
+            else:
+                runs.append([n, 1])
         # split, not slicing: its backward concatenates, where each slice's would fill a full-size zero gradient;
-        # 4-d [1, heads, n, hn] pieces take torch's CPU flash kernel (3-d ones fall back to the math path)
+        # 4-d [count, heads, n, hn] pieces take torch's CPU flash kernel (3-d ones fall back to the math path)
         parts = []
-        for q, k, v in zip(*(t.split(lengths) for t in (query, key, value)), strict=True):
-            q, k, v = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))
+        pieces = (t.split([n * m for n, m in runs]) for t in (query, key, value))
+        for (n, m), *qkv in zip(runs, *pieces, strict=True):
+            q, k, v = (t.reshape(m, n, *t.shape[1:]).transpose(1, 2) for t in qkv)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale)
-            parts.append(out.squeeze(0).permute(1, 0, 2))
-        return torch.cat(parts).reshape(query.shape[0], -1)
+            parts.append(out.transpose(1, 2).reshape(m * n, -1))  # [m * n, heads * hn]
+        return torch.cat(parts)
 
 
 class CPURotaryEmbedding(RotaryEmbedding):
