@@ -27,6 +27,7 @@ from agentflow.store import Journal, TrajectoryStore
 from agentflow.threads import use_daemon_threads
 from agentflow.types import EnvProvider, InferenceEngine
 from envs.tasks import DataMixture, DataSource
+from trainer.registry import FULL_VOCAB_ESTIMATORS
 from trainer.types import TrainerGroup, TrainerSettings
 from transfer_mesh.transport import WeightTransport
 
@@ -107,7 +108,10 @@ def trainer_settings(cfg: JobConfig, **changes: Any) -> TrainerSettings:
             distill_reward_estimator=t.reward_estimator,
             distill_loss_coef=t.loss_coef,
             distill_loss_estimator=t.loss_estimator,
+            distill_jsd_beta=t.jsd_beta,
         )
+        if t.loss_coef > 0 and t.loss_estimator in FULL_VOCAB_ESTIMATORS:  # the trainer evaluates these itself
+            settings.teachers = {m.name: m.path for m in t.models if m.path is not None}
     return settings.model_copy(update=changes) if changes else settings
 
 

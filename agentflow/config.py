@@ -255,6 +255,14 @@ class JobConfig(Section):
         except ValueError as e:
             field = "reward_estimator" if "kl_estimator" in str(e) else "loss_estimator"
             raise ValueError(f"teachers.{field}: {e}") from None
+        if t.loss_coef > 0 and t.loss_estimator in registry.FULL_VOCAB_ESTIMATORS:
+            served = [m.name for m in t.models if m.path is None]
+            if served:
+                raise ValueError(
+                    f"teachers.loss_estimator: {t.loss_estimator} needs each teacher's full next-token distribution, "
+                    f"which the trainer computes from a model directory; teacher {served[0]!r} is a server URL (give "
+                    "it a path, or use k1, k2, k3 or topk)"
+                )
         return self
 
     @field_validator("transfer")

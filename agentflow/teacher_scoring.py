@@ -94,3 +94,5 @@ def attach_teacher_scores(manager: TeacherManager, batch: list[Group], samples: 
             s.teacher_top_ids = [[], *scores.top_ids]
             s.teacher_top_logprobs = [[], *scores.top_logprobs]
         s.extra["teachers"] = scores.teachers
+        if len(scores.teachers) == 1:  # whose full distributions the trainer compares with (full-vocabulary terms)
+            s.teacher = next(iter(scores.teachers))

@@ -73,10 +73,16 @@ class TeachersConfig(_Section):
     reward_estimator: str = "k1"
     """Reverse-KL estimate used as that reward: ``k1``, ``k2`` or ``k3`` (checked by the job config)."""
     loss_coef: float = Field(0.0, ge=0)
-    """Weight of the reverse KL to the teacher as a loss term (GKD style)."""
+    """Weight of the divergence from the teacher as a loss term (GKD style; which divergence: ``loss_estimator``)."""
     loss_estimator: str = "topk"
-    """Estimator of that loss term: sampled-token ``k1``/``k2``/``k3``, or ``topk``, the KL over the teacher's top-k
-    tokens plus a tail bucket (names from the trainer's estimator registry, checked by the job config)."""
+    """Estimator of that loss term: sampled-token ``k1``/``k2``/``k3``; ``topk``, the KL over the teacher's top-k
+    tokens plus a tail bucket; or over the teacher's full next-token distribution, ``full_rkl`` (reverse KL),
+    ``full_fkl`` (forward KL) or ``jsd`` (generalised JSD), for which the trainer loads every teacher itself (model
+    directories only). Names come from the trainer's estimator registry, checked by the job config."""
+    jsd_beta: float = Field(0.5, gt=0, lt=1)
+    """``jsd``: weight of the teacher in the mixture ``m = beta * teacher + (1 - beta) * student``; the loss is
+    ``beta KL(teacher || m) + (1 - beta) KL(student || m)`` (near 0 it behaves like ``beta`` times the forward KL,
+    near 1 like ``1 - beta`` times the reverse KL)."""
     seq_kd: SeqKDConfig = Field(default_factory=SeqKDConfig)
     """Off-policy phase first: the student imitates episodes the teachers play (GKD's teacher-generated data), which
     teaches an env the student has never seen its format; on-policy distillation follows."""

@@ -11,7 +11,7 @@ same tensors either way; the budget then counts real tokens instead of ``rows * 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -120,6 +120,8 @@ class MicroBatch:
     """Target positions whose token was drawn from a restricted vocabulary (``Sample.vocab_masks``)."""
     packing: Packing | None = None
     """The rows as one padding-free stream, when the micro-batch was built packed."""
+    teachers: list[str] = field(default_factory=list)
+    """Each row's ``Sample.teacher`` (the full-vocabulary distillation terms)."""
 
     def attention_mask(self) -> torch.Tensor:
         """[b, s] ones over each row's real tokens, zeros over right padding."""
@@ -207,6 +209,7 @@ def _collate(samples, rows, advantages, masks, old, pad_id) -> MicroBatch:
         old_logprobs=arrays["old"] if old is not None else None,
         ref_logprobs=arrays["ref"] if with_ref else None,
         vocab_masks=vocab_masks,
+        teachers=[samples[i].teacher for i in rows],
         **teacher,
     )
 

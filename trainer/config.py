@@ -47,6 +47,9 @@ class OptimFields(_Section):
     packing: bool = False
     """Pack each micro-batch's sequences end to end without padding (same results to 1e-6, no work on padding:
     1.67x the padded step on mixed lengths). Off by default until the documented demo results are re-run with it."""
+    distill_chunk_tokens: int = Field(1024, ge=1)
+    """Positions per chunk of the full-vocabulary distillation terms (``full_rkl``, ``full_fkl``, ``jsd``): each chunk
+    holds a few ``[chunk, vocab]`` tensors of the student and the teacher, recomputed chunk by chunk in backward."""
     seed: int = 0
     """Trainer seed."""
 
@@ -154,9 +157,12 @@ class LossSettings(LossFields):
     distill_reward_estimator: str = "k1"
     """Estimator of that reward (the job passes ``teachers.reward_estimator``)."""
     distill_loss_coef: float = Field(0.0, ge=0)
-    """Weight of the reverse-KL loss term to the teacher (the job passes ``teachers.loss_coef``)."""
+    """Weight of the distillation loss term, a divergence from the teacher (the job passes ``teachers.loss_coef``)."""
     distill_loss_estimator: str = "topk"
     """Estimator of that term (the job passes ``teachers.loss_estimator``)."""
+    distill_jsd_beta: float = Field(0.5, gt=0, lt=1)
+    """Weight ``beta`` of the ``jsd`` estimator's mixture ``beta * teacher + (1 - beta) * student`` (the job passes
+    ``teachers.jsd_beta``)."""
 
     _registered_signals = field_validator("name", "distill_reward_estimator", "distill_loss_estimator")(
         _registered_name
@@ -186,3 +192,6 @@ class TrainerSettings(OptimFields):
     """Rollout sampling temperature: RL log-probs are taken from logits / temperature, as the engine's are."""
     threads: int = Field(1, ge=1)
     """Torch threads of each trainer process (the job's ``run.threads``, or an imitation phase's own)."""
+    teachers: dict[str, str] = Field(default_factory=dict)
+    """Teachers the trainer evaluates itself for the full-vocabulary distillation estimators: name -> Hugging Face
+    model directory (the job passes ``teachers.models``' paths). Loaded frozen next to the student."""

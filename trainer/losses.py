@@ -62,6 +62,16 @@ How each departs from its paper:
   ``distill_loss_coef * KL`` (GKD style) with the k1/k2/k3 estimators above (teacher in place of the reference) or
   ``topk``: the reverse KL between both distributions coarsened to the teacher's top-k tokens plus one tail bucket.
   ``env_reward_coef`` scales the environment-reward advantage (0: pure distillation).
+* **Full-vocabulary distillation terms** (``distill_loss_estimator``: ``full_rkl``, ``full_fkl``, ``jsd``): exact
+  divergences between the student's and the teacher's whole next-token distributions at every model token, the
+  teacher being a frozen model the trainer evaluates itself (``trainer.full_distill``, in position chunks so that no
+  ``[tokens, vocab]`` tensor of a whole micro-batch exists). ``full_rkl`` is ``KL(s || t)`` (mode seeking),
+  ``full_fkl`` is ``KL(t || s)`` (mean seeking, the supervised KD objective), and ``jsd`` is the generalised JSD of
+  GKD (Agarwal et al. 2024), ``beta KL(t || m) + (1 - beta) KL(s || m)`` with ``m = beta t + (1 - beta) s``
+  (``distill_jsd_beta``; 0.5 is the symmetric JSD, at most ``log 2``): as ``beta -> 0`` it approaches ``beta`` times
+  the forward KL, as ``beta -> 1`` ``(1 - beta)`` times the reverse KL. GKD's on-policy loss is this term on the
+  student's own samples with the policy gradient through the sampling left out, as here. Positions whose token was
+  drawn from a restricted vocabulary compare both distributions renormalised over the allowed tokens.
 * **Entropy bonus**: ``- entropy_coef * H`` per token.
 * **Turn-level credit** (after RTPO): per-turn returns ``G_k = sum_{j >= k} gamma^(j-k) r_j`` normalised within the
   group at each turn index; the trainer updates turn by turn in reverse order (last turn first), one optimizer step
@@ -72,6 +82,7 @@ How each departs from its paper:
 from __future__ import annotations
 
 import inspect
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -406,6 +417,9 @@ class LossInputs:
     """Teacher log-probs of its top-k tokens ``[b, s-1, k]``."""
     student_top: torch.Tensor | None = None
     """The student's (differentiable) log-probs of the same top-k tokens ``[b, s-1, k]``."""
+    divergence: torch.Tensor | None = None
+    """Per-position divergence between the student's and the teacher's full next-token distributions ``[b, s-1]``
+    (the full-vocabulary estimators; differentiable through the student, computed by ``trainer.full_distill``)."""
 
 
 def topk_reverse_kl(student_top: torch.Tensor, teacher_top: torch.Tensor) -> torch.Tensor:
@@ -423,8 +437,37 @@ def topk_reverse_kl(student_top: torch.Tensor, teacher_top: torch.Tensor) -> tor
     return (log_s.exp() * (log_s - log_t)).sum(-1)
 
 
+def full_reverse_kl(student: torch.Tensor, teacher: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """``KL(s || t) = sum_v s_v (log s_v - log t_v)`` per position, from full log-prob rows ``[..., V]`` (``beta``
+    unused: every full-vocabulary estimator takes it)."""
+    return (student.exp() * (student - teacher)).sum(-1)
+
+
+def full_forward_kl(student: torch.Tensor, teacher: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """``KL(t || s) = sum_v t_v (log t_v - log s_v)`` per position, from full log-prob rows ``[..., V]``."""
+    return (teacher.exp() * (teacher - student)).sum(-1)
+
+
+def generalized_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
+    """GKD's generalised JSD ``beta KL(t || m) + (1 - beta) KL(s || m)``, ``m = beta t + (1 - beta) s``, per
+    position, from full log-prob rows ``[..., V]``; ``0 < beta < 1``."""
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"the generalised JSD needs 0 < beta < 1, got {beta}")
+    mix = torch.logaddexp(teacher + math.log(beta), student + math.log1p(-beta))
+    to_mix_t = (teacher.exp() * (teacher - mix)).sum(-1)
+    to_mix_s = (student.exp() * (student - mix)).sum(-1)
+    return beta * to_mix_t + (1.0 - beta) * to_mix_s
+
+
 def distill_loss(x: LossInputs, cfg: LossSettings, mask: torch.Tensor) -> torch.Tensor:
-    """Summed per-token reverse KL to the teacher (masked); divide by the token count."""
+    """Summed per-token divergence from the teacher (masked); divide by the token count."""
+    if cfg.distill_loss_estimator in registry.FULL_VOCAB_ESTIMATORS:
+        if x.divergence is None:
+            raise ValueError(
+                f"the {cfg.distill_loss_estimator} distillation loss needs the full-vocabulary divergence computed "
+                "against an in-trainer teacher (trainer.full_distill)"
+            )
+        return (x.divergence * mask).sum()
     if cfg.distill_loss_estimator == "topk":
         if x.teacher_top is None or x.student_top is None:
             raise ValueError("the top-k distillation loss needs the teacher's top-k log-probs on every sample")

@@ -25,6 +25,7 @@ from trainer import registry
 from trainer.batching import MicroBatch, collate_vocab_masks, make_micro_batches
 from trainer.critic import Critic, GAEPlan, critic_rows
 from trainer.dist import dp_rank_and_size, init_distributed
+from trainer.full_distill import full_vocab_terms, load_teachers, teacher_groups
 from trainer.losses import LossInputs, plan_advantages, policy_loss, sft_loss
 from trainer.model import (
     build_gpt_model,
@@ -108,6 +109,11 @@ class MegatronTrainer:
         self.packing = settings.packing and supports_packing(model)
         """Whether micro-batches are packed (``settings.packing``, unless the layer spec cannot attend packed)."""
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, partial(lr_factor, settings=settings))
+        self.teachers: dict[str, torch.nn.Module] | None = None
+        """Frozen teachers of the full-vocabulary distillation estimators (``trainer.full_distill``), by name; loaded
+        by the first step that needs them (an imitation phase's trainer, which shares the job's settings, never
+        does)."""
+        self._bf16, self._layer_spec = bf16, layer_spec
         self.version = 0
         self.step = 0
         self.critic: Critic | None = None
@@ -250,11 +256,28 @@ class MegatronTrainer:
             value = sft_loss(logp, mb.target_mask, denom)
             value.backward()
             return {"loss": float(value.detach()) * denom}
-        entropy = student_top = None
+        entropy = student_top = divergence = teacher = None
         topk = cfg.distill_loss_coef > 0 and cfg.distill_loss_estimator == "topk"
+        full = cfg.distill_loss_coef > 0 and cfg.distill_loss_estimator in registry.FULL_VOCAB_ESTIMATORS
         if topk and (cfg.entropy_coef > 0 or self.settings.temperature != 1.0 or mb.teacher_top_ids is None):
             raise ValueError("the top-k distillation loss needs temperature 1, no entropy bonus and teacher top-k ids")
-        if topk:
+        if full:
+            if self.settings.temperature != 1.0:
+                raise ValueError("the full-vocabulary distillation loss compares distributions at temperature 1")
+            terms = full_vocab_terms(
+                self.model,
+                teacher_groups(mb.teachers, self._teacher_models(cfg)),
+                mb.input_ids,
+                mb.lengths,
+                registry.resolve("distill_loss_estimator", cfg.distill_loss_estimator),
+                cfg.distill_jsd_beta,
+                self.settings.distill_chunk_tokens,
+                mb.vocab_masks,
+                mb.packing,
+                entropy=cfg.entropy_coef > 0,
+            )
+            logp, divergence, entropy, teacher = terms.logp, terms.divergence, terms.entropy, terms.teacher_logp
+        elif topk:
             logp, student_top = token_logprobs_at(
                 self.model, mb.input_ids, mb.teacher_top_ids, mb.attention_mask(), mb.vocab_masks, mb.packing
             )
@@ -274,12 +297,27 @@ class MegatronTrainer:
             old = logp.detach() if single else mb.behaviour_logprobs
         x = LossInputs(logp, old, mb.behaviour_logprobs, mb.advantages, mb.target_mask, mb.ref_logprobs, entropy)
         x.teacher, x.teacher_top, x.student_top = mb.teacher_logprobs, mb.teacher_top_logprobs, student_top
+        x.divergence = divergence
+        if x.teacher is None:  # the in-trainer teacher's own log-probs of the tokens (metrics)
+            x.teacher = teacher
         value, metrics = policy_loss(x, cfg, denom, seqs)
         value.backward()
         out = {k: float(v) for k, v in metrics.items()}
         out["loss"] = float(value.detach()) * denom
         out["nll"] = float(-(logp.detach() * mb.target_mask).sum())
         return out
+
+    def _teacher_models(self, cfg: LossSettings) -> dict[str, torch.nn.Module]:
+        """The in-trainer teachers, loaded on first use."""
+        if self.teachers is None:
+            if not self.settings.teachers:
+                raise ValueError(
+                    f"distill_loss_estimator {cfg.distill_loss_estimator!r} compares full distributions with teacher "
+                    "models the trainer loads itself: settings.teachers names none"
+                )
+            s = self.settings
+            self.teachers = load_teachers(s.teachers, self.spec, s.seed, self.device, self._bf16, self._layer_spec)
+        return self.teachers
 
     @torch.no_grad()
     def eval_nll(self, samples: list[Sample]) -> float:

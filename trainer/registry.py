@@ -56,8 +56,21 @@ KL_ESTIMATORS: dict[str, str] = {
 }
 """``trainer.kl_estimator`` and the teachers' sampled-token estimators: per-token KL(pi || ref) from pi's tokens."""
 
-DISTILL_LOSS_ESTIMATORS: dict[str, str] = {**KL_ESTIMATORS, "topk": "trainer.losses:topk_reverse_kl"}
-"""``teachers.loss_estimator``: a sampled-token estimator, or the KL over the teacher's top-k tokens."""
+FULL_VOCAB_ESTIMATORS: dict[str, str] = {
+    "full_rkl": "trainer.losses:full_reverse_kl",  # KL(student || teacher) over the whole vocabulary
+    "full_fkl": "trainer.losses:full_forward_kl",  # KL(teacher || student) over the whole vocabulary
+    "jsd": "trainer.losses:generalized_jsd",  # generalised Jensen-Shannon divergence with weight distill_jsd_beta
+}
+"""Divergences between the student's and the teacher's full next-token distributions (log-prob rows ``[..., V]``),
+computed in position chunks against a teacher model the trainer evaluates itself (``trainer.full_distill``)."""
+
+DISTILL_LOSS_ESTIMATORS: dict[str, str] = {
+    **KL_ESTIMATORS,
+    "topk": "trainer.losses:topk_reverse_kl",
+    **FULL_VOCAB_ESTIMATORS,
+}
+"""``teachers.loss_estimator``: a sampled-token estimator, the KL over the teacher's top-k tokens, or a divergence
+over the full vocabulary."""
 
 _TABLES = {"loss": POLICY_LOSSES, "off_policy": OFF_POLICY, "kl_estimator": KL_ESTIMATORS,
            "distill_loss_estimator": DISTILL_LOSS_ESTIMATORS, "advantages": ADVANTAGES}  # fmt: skip

@@ -35,6 +35,9 @@ class Sample:
     """The teacher's top-k token ids at each position (the distribution predicting token t; position 0 empty)."""
     teacher_top_logprobs: list[list[float]] | None = None
     """The teacher's log-probs of ``teacher_top_ids``, for the top-k KL."""
+    teacher: str = ""
+    """Name of the teacher whose full next-token distributions the full-vocabulary estimators compare with (a key of
+    ``TrainerSettings.teachers``; empty: the only one)."""
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
     """[start, end) of each model turn's tokens, for turn-level credit."""
     turn_rewards: list[float] = field(default_factory=list)

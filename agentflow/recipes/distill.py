@@ -28,6 +28,7 @@ from agentflow.teacher_scoring import route_tags, teacher_specs
 from teachers.routing import Router, parse_routes
 from teachers.teacher import check_teacher
 from teachers.types import TeacherError
+from trainer.registry import FULL_VOCAB_ESTIMATORS
 
 
 def check_teachers(cfg: JobConfig, student_dir: Path) -> Router:
@@ -53,9 +54,24 @@ def check_teachers(cfg: JobConfig, student_dir: Path) -> Router:
     if t.release == "offload":  # the shipped scorers (embedded engines, SGLang clients) have nothing to offload to
         raise JobError("teachers.release=offload: no teacher scorer here can offload; set teachers.release=free")
     mixed = any(isinstance(v, dict) and len(v) > 1 for v in t.routes.values())
+    full = t.loss_coef > 0 and t.loss_estimator in FULL_VOCAB_ESTIMATORS
     if t.loss_coef > 0 and t.loss_estimator == "topk" and t.mix == "probs" and mixed:
         raise JobError("teachers: the top-k loss needs one teacher per sequence: set teachers.mix=sample")
+    if full and t.mix == "probs" and mixed:
+        raise JobError(f"teachers: the {t.loss_estimator} loss needs one teacher per sequence: set teachers.mix=sample")
+    if full:
+        vocab = _vocab_size(student_dir)
+        for m in t.models:
+            if m.path is not None and _vocab_size(Path(m.path)) != vocab:
+                raise JobError(
+                    f"teachers: teacher {m.name!r} has a vocabulary of {_vocab_size(Path(m.path))} tokens, the student "
+                    f"{vocab}; {t.loss_estimator} compares distributions over one vocabulary"
+                )
     return router
+
+
+def _vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
 def run_distill(cfg: JobConfig, log: Log = print, resume: bool = False) -> dict[str, Any]:
