@@ -47,6 +47,8 @@ def env_corpus(env_ids: list[str], episodes: int = 200) -> list[str]:
     """Text of registered environments (system prompt with tools, first observations) for the tokenizer.
 
     Merges learned from it make the job's own prompts short, which is what makes training on 2 cores affordable.
+    An env whose later observations look unlike its first one may offer ``tokenizer_texts() -> list[str]`` (text of
+    the current task it will show, called after each reset); it joins the corpus too.
     """
     import envs
 
@@ -55,10 +57,13 @@ def env_corpus(env_ids: list[str], episodes: int = 200) -> list[str]:
         env = envs.make(env_id)
         tools = [t.to_openai() for t in env.tools]
         try:
+            extra = getattr(env.unwrapped, "tokenizer_texts", None)
             for seed in range(episodes):
                 obs, _ = env.reset(seed=seed)
                 msgs = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": obs}]
                 texts.append(render_conversation(msgs, tools, add_generation_prompt=True))
+                if extra is not None:  # what the env will show later in the episode (tool outputs, files)
+                    texts.extend(extra())
         finally:
             env.close()
     return texts

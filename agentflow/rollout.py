@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from collections.abc import Iterable
@@ -274,6 +275,45 @@ def success_summary(trajs: list[Trajectory]) -> dict[str, Any]:
         "errors": sum(t.status == "error" for t in trajs),
         "first_error": first_error(trajs),
         "per_type": per_type_success(outcomes(trajs)),
+        "lengths": episode_lengths(trajs),
+    }
+
+
+def episode_lengths(trajs: Iterable[Trajectory]) -> dict[str, list[Any]]:
+    """Per episode (errors left out): turns, context tokens (its longest segment: what the engine held at the end),
+    wall seconds and success; :func:`episode_shape` summarises them."""
+    played = [t for t in trajs if t.status != "error"]
+    return {
+        "turns": [len(t.turns) for t in played],
+        "context_tokens": [max((len(s.token_ids) for s in t.segments), default=0) for t in played],
+        "episode_s": [round(t.timings.get("episode_s", 0.0), 4) for t in played],
+        "success": [bool(t.info.get("success")) for t in played],
+    }
+
+
+def _nearest_rank(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile by nearest rank (a value that occurred); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def episode_shape(lengths: dict[str, list[Any]]) -> dict[str, float | None]:
+    """How long episodes were: median turns of the successful ones, p90 turns and context tokens, and the tail of
+    episode wall time (p90 over median: how unevenly episodes finish, what rollout scheduling contends with)."""
+    ok_turns = [n for n, ok in zip(lengths["turns"], lengths["success"], strict=True) if ok]
+    median_s, p90_s = _nearest_rank(lengths["episode_s"], 0.5), _nearest_rank(lengths["episode_s"], 0.9)
+    return {
+        "median_turns_success": _nearest_rank(ok_turns, 0.5),
+        "median_turns": _nearest_rank(lengths["turns"], 0.5),
+        "p90_turns": _nearest_rank(lengths["turns"], 0.9),
+        "max_turns": max(lengths["turns"], default=None),
+        "median_context_tokens": _nearest_rank(lengths["context_tokens"], 0.5),
+        "p90_context_tokens": _nearest_rank(lengths["context_tokens"], 0.9),
+        "median_episode_s": median_s,
+        "p90_episode_s": p90_s,
+        "p90_over_median_episode_s": p90_s / median_s if median_s and p90_s is not None else None,
     }
 
 

@@ -10,6 +10,7 @@ is missing):
 - ``agentflow/Calc-v0``: arithmetic with a sandboxed calculator (the demo task).
 - ``agentflow/PyCode-v0``: write a Python function; hidden unit tests run in the sandbox.
 - ``agentflow/Shell-v0``: questions and edits on files in the sandbox workdir with ``sh(command)``.
+- ``agentflow/Trail-v0``: follow a trail of 3-15 notes through the sandbox workdir with ``sh`` (long horizon).
 - ``agentflow/Retrieval-v0``: questions answered by searching a shipped document collection.
 - ``agentflow/Browser-v0``: web tasks in shipped local web apps (Playwright + system Chromium; screenshots).
 - ``agentflow/Desktop-v0``: Tk desktop apps on an Xvfb display, driven through XTEST (screenshots).
@@ -24,6 +25,7 @@ __all__ = ["EnvSpec", "list_envs", "make", "register", "spec"]
 register("agentflow/Calc-v0", "envs.demo:CalcEnv", max_turns=3, expert="envs.demo:expert_action")
 register("agentflow/PyCode-v0", "envs.pycode:PyCodeEnv", max_turns=4, expert="envs.pycode:expert_action")
 register("agentflow/Shell-v0", "envs.shell:ShellEnv", max_turns=6, expert="envs.shell:expert_action")
+register("agentflow/Trail-v0", "envs.trail:TrailEnv", max_turns=20, expert="envs.trail:expert_action")
 register("agentflow/Retrieval-v0", "envs.retrieval:RetrievalEnv", max_turns=8, expert="envs.retrieval:expert_action")
 register("agentflow/Browser-v0", "envs.browser.env:BrowserEnv", max_turns=16, expert="envs.browser.tasks:expert_action")
 register("agentflow/Desktop-v0", "envs.desktop.env:DesktopEnv", max_turns=12, expert="envs.desktop.tasks:expert_action")

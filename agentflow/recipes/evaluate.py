@@ -13,10 +13,12 @@ from agentflow.builder import JobError, data_mixture, env_pool, pin_threads
 from agentflow.chat import ChatTokenizer
 from agentflow.config import JobConfig
 from agentflow.episode import EpisodeSpec
-from agentflow.rollout import EnvTimeouts, Rollouts, per_type_success, success_summary
+from agentflow.rollout import EnvTimeouts, Rollouts, episode_lengths, per_type_success, success_summary
 from agentflow.threads import use_daemon_threads
 from agentflow.types import SamplingParams
 from envs.tasks import DataSource
+
+LENGTH_KEYS = tuple(episode_lengths([]))
 
 
 def eval_spec(src: DataSource, seed: int) -> EpisodeSpec:
@@ -60,6 +62,7 @@ def pooled(per_source: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "errors": sum(s["errors"] for s in per_source.values()),
         "first_error": next((s["first_error"] for s in per_source.values() if s.get("first_error")), None),
         "per_type": {k: sum(v * e for v, e in xs) / sum(e for _, e in xs) for k, xs in sorted(types.items())},
+        "lengths": {k: [x for s in per_source.values() for x in s["lengths"][k]] for k in LENGTH_KEYS},
     }
 
 

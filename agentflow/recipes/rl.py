@@ -15,6 +15,9 @@ from agentflow.files import dump_json
 from agentflow.recipes.common import Log, all_failed, begin, ensure_model, errors_note, loop_summary, warm_up
 from agentflow.recipes.evaluate import evaluate_sources, pooled, scripted_success
 from agentflow.resume import ResumeState, plan_resume
+from agentflow.rollout import episode_shape
+
+SHAPE_KEYS = ("median_turns_success", "p90_turns", "p90_context_tokens", "p90_over_median_episode_s")
 
 
 def run_job(cfg: JobConfig, log: Log = print, resume: bool = False) -> dict[str, Any]:
@@ -56,6 +59,7 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log: Log, resume:
         log(f"after RL:  success {after['success']:.3f} {after['per_type']}" + errors_note(after))
         await save_checkpoint(job, result)
         loop = loop_summary(job, result)
+    shape = episode_shape(after["lengths"])
     return {
         **loop,
         "scripted_policy_success": scripted and scripted["success"],
@@ -68,6 +72,9 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log: Log, resume:
             k: {"before": v["success"], "after": after_sources[k]["success"]} for k, v in before["per_source"].items()
         },  # fmt: skip
         "eval_episodes": cfg.eval.episodes,
+        # the held-out episodes' shape after RL (turns, context, wall-time tail), and before/after in full
+        **{k: shape[k] for k in SHAPE_KEYS},
+        "episode_shape": {"before": episode_shape(before["lengths"]) if "lengths" in before else None, "after": shape},
         "eval_errors": {"before": before["errors"], "after": after["errors"]},
         # every episode the job played (evaluations and trained batches) and the ones that ended ``error``
         "episodes": before["episodes"] + after["episodes"] + loop["rollout_episodes"],
