@@ -48,8 +48,11 @@ def env_corpus(env_ids: list[str], episodes: int = 200) -> list[str]:
 
     Merges learned from it make the job's own prompts short, which is what makes training on 2 cores affordable.
     An env whose later observations look unlike its first one may offer ``tokenizer_texts() -> list[str]`` (text of
-    the current task it will show, called after each reset); it joins the corpus too.
+    the current task it will show, called after each reset); it joins the corpus too. No env ids: no text, and the
+    env registry (with Gymnasium) is not imported.
     """
+    if not env_ids:
+        return []
     import envs
 
     texts = []

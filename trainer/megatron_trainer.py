@@ -2,8 +2,8 @@
 
 On CPU Megatron's DDP and distributed optimizer hard-code CUDA (docs/decisions.md), so this path uses AdamW with
 clipping by the global (TP-aware) gradient norm; with CUDA it uses Megatron's DDP and distributed optimizer
-(trainer/gpu.py, unverified on a GPU so far). Each :meth:`train_step` is one training step (usually one optimizer
-step, gradient accumulation across micro-batches) and bumps the weight version by one. Under TP/DP
+(trainer/gpu.py; run on one GPU by benchmarks/gpu_check.py). Each :meth:`train_step` is one training step (usually
+one optimizer step, gradient accumulation across micro-batches) and bumps the weight version by one. Under TP/DP
 (trainer/launcher.py's ParallelTrainerGroup) every rank runs this class; the DP hooks shard samples and sum gradients
 and metrics.
 """
@@ -71,9 +71,10 @@ class MegatronTrainer:
 
         ``tp`` x ``dp`` must be the world size (torchrun-style variables, which ``trainer.launcher``'s parallel group
         sets; a world of 1 without them). ``device``: ``cpu`` or ``cuda`` (default: ``cuda`` when available). On CUDA
-        the model is wrapped in Megatron's DDP and stepped by its distributed optimizer (``trainer.gpu``; unverified
-        on GPU); on CPU by AdamW whose ``clip_grad_norm_`` uses the global norm under TP. ``bf16`` and ``layer_spec``
-        (``auto``: TransformerEngine when installed, else megatron's local spec; see ``trainer.model``): CUDA only.
+        the model is wrapped in Megatron's DDP and stepped by its distributed optimizer (``trainer.gpu``; run on
+        one GPU in fp32 with the local spec); on CPU by AdamW whose ``clip_grad_norm_`` uses the global norm under
+        TP. ``bf16`` and ``layer_spec`` (``auto``: TransformerEngine when installed, else megatron's local spec; see
+        ``trainer.model``): CUDA only.
         """
         torch.set_num_threads(settings.threads)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")

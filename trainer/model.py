@@ -14,10 +14,11 @@ attention; megatron's local ``DotProductAttention`` cannot, see :func:`supports_
 Weights cross the HF boundary only through ``transfer_mesh.layouts``. Under TP > 1 every rank loads the full HF
 state and keeps its shard; export all-gathers shards over the TP group.
 
-GPU path (``device="cuda"``; unverified on GPU so far): megatron's stock modules on CUDA (the TransformerEngine spec
-when ``transformer_engine`` imports, else the local spec), optional bf16 through megatron's ``Float16Module``;
-Megatron DDP and the distributed optimizer wrap the model in :mod:`trainer.gpu`. Inputs may stay on the CPU: the
-model's device is used for the forward pass and log-probs come back on the inputs' device. The CPU path is unchanged.
+GPU path (``device="cuda"``; run on one GPU with the local spec in fp32, not yet with TransformerEngine or bf16):
+megatron's stock modules on CUDA (the TransformerEngine spec when ``transformer_engine`` imports, else the local
+spec), optional bf16 through megatron's ``Float16Module``; Megatron DDP and the distributed optimizer wrap the model
+in :mod:`trainer.gpu`. Inputs may stay on the CPU: the model's device is used for the forward pass and log-probs
+come back on the inputs' device. The CPU path is unchanged.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ def build_gpt_model(
 
 
 def _build_cuda_model(spec: ModelSpec, seed: int, bf16: bool, layer_spec: str) -> torch.nn.Module:
-    """GPTModel on the current CUDA device with megatron's stock RNG tracker and modules (unverified on GPU)."""
+    """GPTModel on the current CUDA device with megatron's stock RNG tracker and modules."""
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     config = make_transformer_config(spec, device="cuda", bf16=bf16)
