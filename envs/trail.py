@@ -1,7 +1,7 @@
 """``agentflow/Trail-v0``: a long-horizon shell task: follow a trail of notes through the sandbox to a code.
 
 Each episode's sandbox workdir holds a trail of note files. ``start.txt`` begins it; every note has a few lines of
-log text and, last, a pointer to the next note (``next: lake/417.txt``). The last note holds the code to answer
+log text and, last, a pointer to the next note (``next: 4172.txt``). The last note holds the code to answer
 (``code: 5308``). The agent has one tool, ``sh(command)``, run in the real sandbox; each note is one ``cat``, so an
 episode takes as many turns as the trail has notes, and its context grows by a note per turn.
 
@@ -40,7 +40,6 @@ TASK_TYPES: tuple[str, ...] = ("short", "long", "relay", "vault")
 EXPERT_FAILS: tuple[str, ...] = ("relay", "vault")
 """The types the scripted expert gets wrong on every task."""
 _NOTES = {"short": (3, 5), "long": (11, 15), "relay": (5, 8), "vault": (4, 7)}
-_DIRS = ("north", "south", "east", "west", "cave", "hill", "lake", "mill", "pier", "yard")
 _WORDS = (
     "gate", "door", "path", "road", "wall", "tree", "rock", "well", "bell", "lamp", "rope", "boat", "bird", "fox",
     "old", "new", "red", "dark", "cold", "wet", "quiet", "open", "closed", "near", "far", "left", "right", "under",
@@ -101,9 +100,11 @@ class _TrailBuilder:
         self.taken: set[str] = {"start.txt", _VAULT_FILE}
 
     def new_path(self) -> str:
-        """A fresh ``dir/NNN.txt`` whose misread variant is free too (so a decoy can always be put there)."""
+        """A fresh ``NNNN.txt`` whose misread variant is free too (so a decoy can always be put there). Names are
+        digits only: a small model learns to copy digit tokens early, while copying word tokens (``lake/``) took it
+        far longer than the warm-up's budget."""
         while True:
-            path = f"{self.rng.choice(_DIRS)}/{self.rng.randint(100, 999)}.txt"
+            path = f"{self.rng.randint(1000, 9999)}.txt"
             decoy = misread(path[:-4], self.salt) + ".txt"
             if path not in self.taken and decoy not in self.taken:
                 self.taken |= {path, decoy}  # the misread variant stays free for a decoy, and only for one

@@ -13,7 +13,14 @@ from agentflow.builder import JobError, data_mixture, env_pool, pin_threads
 from agentflow.chat import ChatTokenizer
 from agentflow.config import JobConfig
 from agentflow.episode import EpisodeSpec
-from agentflow.rollout import EnvTimeouts, Rollouts, episode_lengths, per_type_success, success_summary
+from agentflow.rollout import (
+    EnvTimeouts,
+    Rollouts,
+    episode_lengths,
+    episode_shape,
+    per_type_success,
+    success_summary,
+)
 from agentflow.threads import use_daemon_threads
 from agentflow.types import SamplingParams
 from envs.tasks import DataSource
@@ -64,6 +71,14 @@ def pooled(per_source: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "per_type": {k: sum(v * e for v, e in xs) / sum(e for _, e in xs) for k, xs in sorted(types.items())},
         "lengths": {k: [x for s in per_source.values() for x in s["lengths"][k]] for k in LENGTH_KEYS},
     }
+
+
+def shaped(summary: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation summary with its per-episode ``lengths`` replaced by their ``episode_shape`` (for reports)."""
+    out = {k: v for k, v in summary.items() if k != "lengths"}
+    if "lengths" in summary:
+        out["episode_shape"] = episode_shape(summary["lengths"])
+    return out
 
 
 def scripted_success(cfg: JobConfig, seeds: list[int]) -> dict[str, Any] | None:
@@ -129,7 +144,7 @@ def run_eval(cfg: JobConfig, model_dir: str | None = None) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         raise JobError(f"model directory not found: {path}")
     per_source = asyncio.run(evaluate_dir(cfg, path))
-    out = {"model": str(path), **pooled(per_source)}
+    out = {"model": str(path), **shaped(pooled(per_source))}
     if len(per_source) > 1:
-        out["per_source"] = per_source
+        out["per_source"] = {k: shaped(v) for k, v in per_source.items()}
     return out
