@@ -167,8 +167,9 @@ def make_trail_task(task_seed: int, split: str, task_type: str | None = None) ->
 
 
 def _task_check(answer: str, task: TrailTask, env: TrailEnv) -> float:
-    """1 for exactly the trail's code."""
-    return float(answer.strip().strip("'\"`.") == task.answer)
+    """1 for exactly the trail's code, bare or as the note states it (``code: 5308``)."""
+    text = answer.strip().strip("'\"`.")
+    return float(text.removeprefix("code:").strip() == task.answer)
 
 
 class TrailEnv(ShellEnv):
@@ -224,8 +225,10 @@ def expert_action(env: TrailEnv, history: list[tuple[str, str]]) -> str:
         return tool_action("sh", {"command": "cat start.txt"})
     lines = history[-1][1].strip().splitlines()
     last = lines[-1].strip() if lines else ""
-    if m := _CODE_RE.match(last):
-        return answer_action(m.group(1))
+    if _CODE_RE.match(last):
+        # the line as the note states it: its first token is the note's own "code: ", which a small model learns to
+        # copy from far sooner than it learns to start a bare number right after the assistant's header
+        return answer_action(last)
     if m := _LOCKED_RE.match(last):
         return tool_action("sh", {"command": f"python3 {_VAULT_FILE} {misread(m.group(1), salt)}"})
     if m := _POINTER_RE.match(last):

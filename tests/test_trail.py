@@ -55,7 +55,7 @@ def test_expert_right_on_short_and_long_and_wrong_on_every_relay_and_vault(env):
                 history, info = play(env, expert_action, seed, split, kind)
                 assert info["success"] is (kind not in EXPERT_FAILS), (split, seed, kind, history[-1])
                 if kind in EXPERT_FAILS:  # it reached a decoy's code, not a dead end or an error
-                    assert re.fullmatch(r"\d{4}", history[-1][0].split('"')[3]) and history[-1][1] != "Correct."
+                    assert re.fullmatch(r"code: \d{4}", history[-1][0].split('"')[3]) and history[-1][1] != "Correct."
                 turns[kind].append(len(history))
     assert 5 <= min(turns["short"]) and max(turns["short"]) <= 7
     assert 13 <= min(turns["long"]) and max(turns["long"]) <= 17

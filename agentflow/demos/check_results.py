@@ -47,12 +47,15 @@ RESULTS = {
     "rl-seed0": Result("rl", "configs/demo.yaml"),
     "rl-seed1": Result("rl", "configs/demo.yaml", SEED1),
     "blackbox-seed0": Result("rl", "configs/demo-blackbox.yaml"),
+    "agentic-seed0": Result("rl", "configs/agentic.yaml"),
+    "agentic-seed1": Result("rl", "configs/agentic.yaml", SEED1),
     "distill-seed0": Result("distill", "configs/distill.yaml"),
     "distill-seed1": Result("distill", "configs/distill.yaml", SEED1),
 }
 FAMILIES = {
     "rl": ["rl-seed0", "rl-seed1"],
     "blackbox": ["blackbox-seed0"],
+    "agentic": ["agentic-seed0", "agentic-seed1"],
     "distill": ["distill-seed0", "distill-seed1"],
 }
 
@@ -123,6 +126,7 @@ CLAIMS: dict[str, list[Claim]] = {
                  lambda f: all(f[f"{e}_distilled"] > f.get(f"{e}_rl_alone", -1.0) for e in ("calc", "shell")))],
 }  # fmt: skip
 CLAIMS["blackbox"] = CLAIMS["rl"][:1]
+CLAIMS["agentic"] = CLAIMS["rl"]
 
 
 def _tolerance(documented: list[float], episodes: int = 200) -> float:
