@@ -2,7 +2,7 @@
 
 Each episode's sandbox workdir holds a trail of note files. ``start.txt`` begins it; every note has a few lines of
 log text and, last, a pointer to the next note (``next: 4172.txt``). The last note holds the code to answer
-(``code: 5308``). The agent has one tool, ``sh(command)``, run in the real sandbox; each note is one ``cat``, so an
+(``code: 7``). The agent has one tool, ``sh(command)``, run in the real sandbox; each note is one ``cat``, so an
 episode takes as many turns as the trail has notes, and its context grows by a note per turn.
 
 Task types (the difficulty varies by type):
@@ -111,8 +111,10 @@ class _TrailBuilder:
                 return path
 
     def code(self, avoid: str = "") -> str:
-        """A 4-digit code (different from ``avoid``)."""
-        while (c := str(self.rng.randint(1000, 9999))) == avoid:
+        """A one-digit code (different from ``avoid``). One digit, because the demo-size model learns to copy the
+        first token after a marker it has seen (``code: ``) within its warm-up, but not the digits after that one:
+        with 4-digit codes it copied every 4-digit pointer (4,800 copies an epoch) and no code (600 an epoch)."""
+        while (c := str(self.rng.randint(0, 9))) == avoid:
             pass
         return c
 
@@ -167,9 +169,11 @@ def make_trail_task(task_seed: int, split: str, task_type: str | None = None) ->
 
 
 def _task_check(answer: str, task: TrailTask, env: TrailEnv) -> float:
-    """1 for exactly the trail's code, bare or as the note states it (``code: 5308``)."""
+    """1 for exactly the trail's code, bare or as the note states it (``code: 7``), once the trail's last note has
+    been shown to the agent: a one-digit code could otherwise be guessed (RL found that: on vault tasks a policy
+    learned to answer a digit at the locked note instead of running the vault, and was right one time in ten)."""
     text = answer.strip().strip("'\"`.")
-    return float(text.removeprefix("code:").strip() == task.answer)
+    return float(env.reached_end and text.removeprefix("code:").strip() == task.answer)
 
 
 class TrailEnv(ShellEnv):
@@ -192,13 +196,28 @@ class TrailEnv(ShellEnv):
             raise ValueError(f"unknown Trail task types {unknown}; expected some of {TASK_TYPES}")
         self.task_types = tuple(task_types) if task_types else None
         self._forced_type: str | None = None
+        self.reached_end = False
+        """Whether a tool output of this episode has shown the real trail's last note (the verifier requires it)."""
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """As the base's, noting whether the output showed the trail's last note."""
+        return self._note_end(super().call_tool(name, arguments))
+
+    async def acall_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        """As the base's, noting whether the output showed the trail's last note."""
+        return self._note_end(await super().acall_tool(name, arguments))
+
+    def _note_end(self, output: str) -> str:
+        if self.task is not None and self.task.files[self.task.trail[-1]].strip() in output:
+            self.reached_end = True
+        return output
 
     def reset_task(self, seed: int, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         """Like the base's; ``options["task_type"]`` forces the task's type."""
         kind = options.get("task_type")
         if kind is not None and kind not in TASK_TYPES:
             raise ValueError(f"unknown Trail task type {kind!r}; expected one of {TASK_TYPES}")
-        self._forced_type = kind
+        self._forced_type, self.reached_end = kind, False
         return super().reset_task(seed, options)
 
     def make_task(self, task_seed: int, split: str, task_set: str) -> TrailTask:

@@ -55,7 +55,7 @@ def test_expert_right_on_short_and_long_and_wrong_on_every_relay_and_vault(env):
                 history, info = play(env, expert_action, seed, split, kind)
                 assert info["success"] is (kind not in EXPERT_FAILS), (split, seed, kind, history[-1])
                 if kind in EXPERT_FAILS:  # it reached a decoy's code, not a dead end or an error
-                    assert re.fullmatch(r"code: \d{4}", history[-1][0].split('"')[3]) and history[-1][1] != "Correct."
+                    assert re.fullmatch(r"code: \d", history[-1][0].split('"')[3]) and history[-1][1] != "Correct."
                 turns[kind].append(len(history))
     assert 5 <= min(turns["short"]) and max(turns["short"]) <= 7
     assert 13 <= min(turns["long"]) and max(turns["long"]) <= 17
@@ -176,3 +176,17 @@ def test_agentic_config_fits_the_longest_trails_and_its_job_runs(tmp_path):
     summary = run_job(load_config(root / "configs/agentic.yaml", overrides), log=lambda *_: None)
     assert summary["rl_steps"] == 2 and summary["errors"] == 0
     assert all(k in summary for k in SHAPE_KEYS) and summary["p90_turns"] >= 1
+
+
+def test_the_right_code_counts_only_after_the_last_note_was_shown(env):
+    """A one-digit code could be guessed: the verifier requires the trail's last note in some tool output."""
+    env.reset(seed=3, options={"split": "eval", "task_type": "short"})
+    code = env.unwrapped.task.answer
+    env.step(tool_action("sh", {"command": "cat start.txt"}))
+    *_, info = env.step(answer_action(code))
+    assert info["success"] is False
+    env.reset(seed=3, options={"split": "eval", "task_type": "short"})
+    last = env.unwrapped.task.trail[-1]
+    env.step(tool_action("sh", {"command": f"cat {last}"}))  # read the end directly: shown, so it counts
+    *_, info = env.step(answer_action(f"code: {code}"))
+    assert info["success"] is True
