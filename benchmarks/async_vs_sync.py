@@ -11,6 +11,11 @@ that drops late groups skews short). Writes ``benchmarks/results/async_vs_sync.j
 
     .venv/bin/python benchmarks/async_vs_sync.py            # demo model after warm-up SFT (cached), 200 steps (~1 h)
     .venv/bin/python benchmarks/async_vs_sync.py --quick    # CI: a tiny random model, a few steps
+    .venv/bin/python benchmarks/async_vs_sync.py --workload agentic   # the three modes on configs/agentic.yaml
+
+``--workload agentic`` runs the three modes on the long-horizon job instead (agentflow/Trail-v0: 5-16 turns,
+contexts past 1,000 tokens, a sandboxed vault program whose latency varies by task), with that job's settings and
+its cached warm-up, and writes ``async_vs_sync_agentic.json`` and ``.png``.
 """
 
 from __future__ import annotations
@@ -102,6 +107,12 @@ CONFIG_KEYS = ("quick", "steps", "repeats", "batch_groups", "group_size", "stale
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny random model, few steps (CI)")
+    ap.add_argument(
+        "--workload",
+        choices=("latency", "agentic"),
+        default="latency",
+        help="latency: Calc with injected tool latency (default); agentic: configs/agentic.yaml",
+    )
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--batch-groups", type=int, default=None)
@@ -121,6 +132,10 @@ def main() -> None:
         help="also run async with first_finished (with and without length_aware) on the latency workload",
     )
     args = ap.parse_args()
+    if args.workload == "agentic":
+        from _agentic_workload import run_agentic
+
+        return run_agentic(args)
     quick = {"steps": 4, "batch_groups": 2, "group_size": 4, "eval_episodes": 4}
     full = {"steps": 200, "batch_groups": 6, "group_size": 8, "eval_episodes": 200}  # lr 1e-4 needs ~150 steps
     for k, v in (quick if args.quick else full).items():
