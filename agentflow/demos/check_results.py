@@ -1,7 +1,8 @@
 """The results check: run the README's documented results again and compare them with what the docs promise.
 
 ``python -m agentflow.demos.check_results run [NAMES...]`` runs each named result at full size (the RL demo's two
-seeds, the black-box demo, the distillation demo's two seeds; all of them by default), then compares.
+seeds, the black-box demo, the long-horizon job's two seeds, the distillation demo's two seeds; all of them by
+default), then compares.
 ``... compare`` compares run directories that already exist. ``--clone`` does the runs in a fresh ``git clone`` of
 this checkout with its own ``scripts/setup.sh`` venv (what a new user gets), and copies the results back.
 ``--quick`` is a reduced-size RL run on the same code path (minutes, for CI) that checks the direction only.
