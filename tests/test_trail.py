@@ -168,7 +168,7 @@ def test_agentic_config_fits_the_longest_trails_and_its_job_runs(tmp_path):
         longest = max(len(expert_sample(env, expert_action, tok, s, "eval")[0].token_ids) for s in range(16))
     finally:
         env.close()
-    assert 900 < longest and longest + cfg.rollout.max_new_tokens <= cfg.engine.max_len
+    assert 800 < longest and longest + cfg.rollout.max_new_tokens <= cfg.engine.max_len
     overrides = [f"model.path={model}", f"run.dir={tmp_path / 'run'}", "run.progress=false", "run.steps=2"]
     overrides += ["sft.episodes=8", "sft.val_episodes=4", "sft.max_epochs=1", "eval.episodes=4"]
     overrides += ["store.batch_groups=1", "rollout.group_size=2", "trainer.drop_uniform_groups=false"]
