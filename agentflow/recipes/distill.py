@@ -23,7 +23,7 @@ from agentflow.config import JobConfig, save_config
 from agentflow.controller import rl_loop
 from agentflow.files import dump_json
 from agentflow.recipes.common import Log, begin, ensure_model, loop_summary, warm_up
-from agentflow.recipes.evaluate import evaluate_dir, evaluate_sources, shaped
+from agentflow.recipes.evaluate import evaluate_dir, evaluate_sources, shaped_sources
 from agentflow.teacher_scoring import route_tags, teacher_specs
 from teachers.routing import Router, parse_routes
 from teachers.teacher import check_teacher
@@ -95,16 +95,12 @@ def run_distill(cfg: JobConfig, log: Log = print, resume: bool = False) -> dict[
         for name, row in summary["per_source"].items():
             row["after_seq_kd"] = row["before"]
             row["before"] = start[name]["success"]
-        summary["per_source_detail"]["before_seq_kd"] = _shaped(start)
+        summary["per_source_detail"]["before_seq_kd"] = shaped_sources(start)
         summary["seq_kd"] = seq_kd
     summary["samples"] = summary["trajectories_trained"] + (seq_kd["episodes"] if seq_kd else 0)
     summary["wall_s"] = time.monotonic() - t_start
     dump_json(run_dir / "summary.json", summary)
     return summary
-
-
-def _shaped(per_source: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {k: shaped(v) for k, v in per_source.items()}
 
 
 def run_rl_per_source(cfg: JobConfig, log: Log = print) -> dict[str, Any]:
@@ -136,7 +132,7 @@ async def _loop(cfg: JobConfig, policy_dir: Path, run_dir: Path, log: Log, route
         **loop,
         "teachers": {t.name: t.path or t.url for t in cfg.teachers.models} if router else {},
         "per_source": {name: {"before": before[name]["success"], "after": after[name]["success"]} for name in before},
-        "per_source_detail": {"before": _shaped(before), "after": _shaped(after)},
+        "per_source_detail": {"before": shaped_sources(before), "after": shaped_sources(after)},
         "steps": result.steps,
         "teacher_stats": teacher_stats,
         "model_dir": str(run_dir / "model"),

@@ -81,6 +81,11 @@ def shaped(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def shaped_sources(per_source: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """:func:`shaped` for each data source's summary."""
+    return {k: shaped(v) for k, v in per_source.items()}
+
+
 def scripted_success(cfg: JobConfig, seeds: list[int]) -> dict[str, Any] | None:
     """The warm-up's scripted expert on the held-out seeds of the ``env`` section's env (what imitation could reach);
     None when the env has no expert."""
@@ -146,5 +151,5 @@ def run_eval(cfg: JobConfig, model_dir: str | None = None) -> dict[str, Any]:
     per_source = asyncio.run(evaluate_dir(cfg, path))
     out = {"model": str(path), **shaped(pooled(per_source))}
     if len(per_source) > 1:
-        out["per_source"] = {k: shaped(v) for k, v in per_source.items()}
+        out["per_source"] = shaped_sources(per_source)
     return out
