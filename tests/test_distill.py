@@ -304,7 +304,9 @@ def test_distill_job_with_seq_kd_imitates_then_distills(pair, tmp_path):
     summary = run_distill(_seq_kd_config(student, teacher, tmp_path / "run", extra), log=lambda *_: None)
     report = summary["seq_kd"]
     assert report["episodes"] == 20 and set(report["teachers"]) == {"t", "s"}
-    assert report["curve"][-1]["val_loss"] < report["curve"][0]["val_loss"]  # the student moved toward them
+    # the student fits its teachers' episodes: the second epoch's training NLL is below the first's (by ~0.2 nats
+    # here). The held-out loss on two episodes of a random tiny model moves by noise (+-0.02), so it is not asserted.
+    assert len(report["curve"]) == 3 and report["curve"][2]["train_loss"] < report["curve"][1]["train_loss"] - 0.05
     assert summary["policy_dir"] == str(tmp_path / "run" / "seq_kd")
     assert summary["samples"] == 20 + summary["trajectories_trained"]
     assert all({"before", "after_seq_kd", "after"} <= set(row) for row in summary["per_source"].values())
