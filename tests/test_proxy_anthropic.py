@@ -368,6 +368,30 @@ def test_error_after_the_stream_began_is_an_error_event(tmp_path_factory):
     assert not rec.calls and rec.summary()["refused_calls"] == 1
 
 
+def test_error_after_an_openai_stream_began_is_an_error_chunk_then_done(tmp_path_factory):
+    """The OpenAI route's twin: the stream that began ends with an ``error`` data line and ``[DONE]``, and the
+    openai client raises it; the call is counted refused, nothing recorded."""
+    import openai
+
+    tok = ChatTokenizer(tool_model_dir(tmp_path_factory))
+
+    async def go():
+        async with ProxyServer(_AbortingEngine(tok), tok, MODEL) as proxy:
+            rec = proxy.open("o-abort", GREEDY, 512)
+            client = openai.AsyncOpenAI(base_url=proxy.base_url("o-abort"), api_key=proxy.api_key, max_retries=0)
+            seen = []
+            with pytest.raises(openai.APIError) as e:
+                stream = await client.chat.completions.create(model=MODEL, messages=[QUESTION], stream=True)
+                async for chunk in stream:
+                    seen.append(chunk.choices[0].delta.content if chunk.choices else None)
+            proxy.close("o-abort")
+            return seen, e.value, rec
+
+    seen, err, rec = asyncio.run(go())
+    assert seen and seen[0] == ""  # the role chunk: the stream had begun
+    assert "aborted" in err.message and not rec.calls and rec.summary()["refused_calls"] == 1
+
+
 class _SlowEngine:
     """An engine that streams a long text slowly and notes whether its generation was cancelled."""
 

@@ -8,7 +8,6 @@ the engine and commits it. Only the reply's shape differs: a ``message`` object,
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -41,7 +40,7 @@ class AnthropicRoute:
         # tool-use ids in Anthropic's form, so the record holds the ids the program got
         async with calls.Call(server, rec, parsed.chat, request.headers, t0, lambda: aw.new_id("toolu")) as call:
             if parsed.chat.stream:
-                return await _Stream(self, request, parsed, call).run()
+                return await call.stream(request, lambda resp: _Stream(self, parsed, call, resp).run(), _stream_failed)
             out = await call.run()
             res = out.result
             use = aw.usage(len(out.record.input_ids), len(res.output_ids), res.cached_tokens)
@@ -72,36 +71,23 @@ class _Stream:
     ``message_stop``; a failure after the stream began is an ``error`` event, as Anthropic's API sends it."""
 
     def __init__(
-        self, route: AnthropicRoute, request: web.Request, parsed: aw.MessagesRequest, call: calls.Call
+        self, route: AnthropicRoute, parsed: aw.MessagesRequest, call: calls.Call, resp: web.StreamResponse
     ) -> None:
-        self.route, self.request, self.parsed, self.call = route, request, parsed, call
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **call.sampling_header}
-        self.resp = web.StreamResponse(headers=headers)
+        self.route, self.parsed, self.call, self.resp = route, parsed, call, resp
         self.index = 0  # the index of the next content block
         self.text_open = False
         self.held = ""
 
-    async def run(self) -> web.StreamResponse:
+    async def run(self) -> None:
         server, call, resp = self.route.server, self.call, self.resp
-        try:
-            await resp.prepare(self.request)
-            use = aw.usage(len(call.plan.input_ids), 0)
-            start = aw.message(aw.new_id("msg"), server.model_name, None, (None, None), use)
-            await resp.write(aw.event("message_start", message=start))
-            await resp.write(aw.event("ping"))
-            out = await call.run(on_text=self.text)
-            res = out.result
-            await self.finish(out.reply, self.route.stop(self.parsed, res, out.reply),
-                              aw.usage(len(out.record.input_ids), len(res.output_ids), res.cached_tokens))  # fmt: skip
-            return resp
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
-        except Exception as e:
-            if not resp.prepared:
-                raise
-            await resp.write(aw.event("error", error=aw.error_body(call.refuse(e))["error"]))
-            await resp.write_eof()
-            return resp
+        use = aw.usage(len(call.plan.input_ids), 0)
+        start = aw.message(aw.new_id("msg"), server.model_name, None, (None, None), use)
+        await resp.write(aw.event("message_start", message=start))
+        await resp.write(aw.event("ping"))
+        out = await call.run(on_text=self.text)
+        res = out.result
+        await self.finish(out.reply, self.route.stop(self.parsed, res, out.reply),
+                          aw.usage(len(out.record.input_ids), len(res.output_ids), res.cached_tokens))  # fmt: skip
 
     async def text(self, delta: str) -> None:
         """Stream text; the text block opens at the first visible text (whitespace before a tool call opens none)."""
@@ -132,3 +118,9 @@ class _Stream:
         await write(aw.event("message_delta", delta={"stop_reason": stop[0], "stop_sequence": stop[1]}, usage=use))
         await write(aw.event("message_stop"))
         await self.resp.write_eof()
+
+
+async def _stream_failed(resp: web.StreamResponse, err: ProxyError) -> None:
+    """A failure after the stream began: an ``error`` event, as Anthropic's API sends it."""
+    await resp.write(aw.event("error", error=aw.error_body(err)["error"]))
+    await resp.write_eof()

@@ -122,6 +122,27 @@ class Call:
         else:
             self.record.total_s = time.perf_counter() - self.t0
 
+    async def stream(
+        self,
+        request: web.Request,
+        body: Callable[[web.StreamResponse], Awaitable[None]],
+        failed: Callable[[web.StreamResponse, ProxyError], Awaitable[None]],
+    ) -> web.StreamResponse:
+        """Answer as server-sent events (with the sampling header): ``body`` writes the stream; a failure before it
+        began is raised (a plain error response), one after is ``failed``'s error event, as both APIs send it."""
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **self.sampling_header}
+        resp = web.StreamResponse(headers=headers)
+        try:
+            await resp.prepare(request)
+            await body(resp)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            if not resp.prepared:
+                raise
+            await failed(resp, self.refuse(e))
+        return resp
+
     def refuse(self, e: Exception) -> ProxyError:
         """The error a response already under way reports for ``e`` (as an event of its stream), counted as a
         refused call; an unexpected exception is an internal error, as the server's error middleware makes it."""

@@ -276,27 +276,20 @@ class ProxyServer:
     async def _stream(self, request: web.Request, call: calls.Call) -> web.StreamResponse:
         """Server-sent events: content deltas as tokens arrive, tool calls and the finish reason at the end; a
         failure after the stream began is an error event, as OpenAI sends it."""
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **call.sampling_header}
-        resp = web.StreamResponse(headers=headers)
         cid, model = wire.new_id("chatcmpl"), self.model_name
 
-        async def text(delta: str) -> None:
-            await _sse(resp, wire.chunk(cid, model, {"content": delta}))
+        async def body(resp: web.StreamResponse) -> None:
+            async def text(delta: str) -> None:
+                await _sse(resp, wire.chunk(cid, model, {"content": delta}))
 
-        try:
-            await resp.prepare(request)
             await _sse(resp, wire.chunk(cid, model, {"role": "assistant", "content": ""}))
-            out = await call.run(on_text=text)
-            await self._stream_tail(resp, cid, call.req, out)
-            return resp
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
-        except Exception as e:
-            if not resp.prepared:
-                raise
-            await _sse(resp, call.refuse(e).body())
+            await self._stream_tail(resp, cid, call.req, await call.run(on_text=text))
+
+        async def failed(resp: web.StreamResponse, err: ProxyError) -> None:
+            await _sse(resp, err.body())
             await resp.write(b"data: [DONE]\n\n")
-            return resp
+
+        return await call.stream(request, body, failed)
 
     async def _stream_tail(self, resp: web.StreamResponse, cid: str, req: wire.ChatRequest, out: calls.Outcome) -> None:
         model, reply, res, call = self.model_name, out.reply, out.result, out.record
