@@ -29,8 +29,8 @@ KEYS = (
 TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
 
 
-def _run(mode: str, out: Path, args: argparse.Namespace, model: Path | None) -> dict[str, Any]:
-    overrides = [f"run.mode={mode}", f"run.dir={out / mode}", "run.progress=false", "run.overwrite=true"]
+def _run(mode: str, run_dir: Path, args: argparse.Namespace, model: Path | None) -> dict[str, Any]:
+    overrides = [f"run.mode={mode}", f"run.dir={run_dir}", "run.progress=false", "run.overwrite=true"]
     if args.steps is not None:
         overrides.append(f"run.steps={args.steps}")
     if args.eval_episodes is not None:
@@ -57,9 +57,12 @@ def run_agentic(args: argparse.Namespace) -> None:
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / "model", TINY, env_ids=["agentflow/Trail-v0"]) if args.quick else None
+        # a full run's directories sit beside the job's, so every mode reuses the job's cached warm-up (the cache
+        # is the run directory's sibling)
+        jobs = Path(tmp) / "runs" if args.quick else Path(load_config(CONFIG).run.dir).parent
         for _ in range(args.repeats):
             for mode in MODES:  # interleaved so machine noise hits every mode alike
-                runs[mode].append(_run(mode, Path(tmp) / "runs", args, model))
+                runs[mode].append(_run(mode, jobs / f"async_vs_sync_agentic-{mode}", args, model))
     med = {m: {k: statistics.median(r[k] for r in rs) for k in KEYS if rs[0].get(k) is not None} for m, rs in
            runs.items()}  # fmt: skip
     cfg = load_config(CONFIG)
