@@ -55,17 +55,17 @@ def run_agentic(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     start = time.monotonic()
+    cfg = load_config(CONFIG)
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / "model", TINY, env_ids=["agentflow/Trail-v0"]) if args.quick else None
         # a full run's directories sit beside the job's, so every mode reuses the job's cached warm-up (the cache
         # is the run directory's sibling)
-        jobs = Path(tmp) / "runs" if args.quick else Path(load_config(CONFIG).run.dir).parent
+        jobs = Path(tmp) / "runs" if args.quick else Path(cfg.run.dir).parent
         for _ in range(args.repeats):
             for mode in MODES:  # interleaved so machine noise hits every mode alike
                 runs[mode].append(_run(mode, jobs / f"async_vs_sync_agentic-{mode}", args, model))
     med = {m: {k: statistics.median(r[k] for r in rs) for k in KEYS if rs[0].get(k) is not None} for m, rs in
            runs.items()}  # fmt: skip
-    cfg = load_config(CONFIG)
     bound = {"sync": 0, "one_step": 1, "async": cfg.store.stale_steps}
     table = {
         "workload": f"{CONFIG} ({cfg.env.id})",
