@@ -127,6 +127,7 @@ class BwrapSandbox(LocalSandbox):
         env: dict[str, str] | None = None,
         use_cgroup: bool = True,
         extra_args: list[str] | None = None,
+        ro_binds: list[str] | None = None,
     ) -> None:
         exe = bwrap_path()
         if exe is None:
@@ -137,6 +138,10 @@ class BwrapSandbox(LocalSandbox):
         self._as_nobody = self._as_root and unprivileged_userns()
         self._pidns = self._root_prefix() if self._as_root else []
         self._extra_args = list(extra_args or [])
+        self._ro_binds = [os.path.abspath(p) for p in ro_binds or []]
+        missing = [p for p in self._ro_binds if not os.path.exists(p)]
+        if missing:
+            raise SandboxError(f"paths to show read-only in the sandbox do not exist: {missing}")
         super().__init__(limits=limits, env=env, use_cgroup=use_cgroup)
 
     def _root_prefix(self) -> list[str]:
@@ -235,6 +240,7 @@ class BwrapSandbox(LocalSandbox):
             "--dev", "/dev",
             *self._scratch_view(),
             "--bind", self._work, SANDBOX_WORKDIR,
+            *(a for p in self._ro_binds for a in ("--ro-bind", p, p)),  # before the root turns read-only
             "--remount-ro", "/dev",
             "--remount-ro", "/",
         ]  # fmt: skip

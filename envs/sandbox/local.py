@@ -358,6 +358,24 @@ class LocalSandbox:
         out, err = bufs.values()
         return bytes(out), bytes(err), timed_out, dropped
 
+    def launch(self, cmd: list[str] | str, limits: Limits | None = None) -> Launch:
+        """Prepare a long-running command (a server talking over its pipes) inside this sandbox: the caller starts
+        the returned :class:`Launch`'s ``argv`` with its ``popen_kwargs`` and calls ``started(pid)``, then
+        ``ended(pid)`` once it is done with it; ``ended`` kills everything the command left (its process group and
+        its cgroup). The rlimits hold as for :meth:`exec` (``cpu_s`` counts the server's whole CPU time)."""
+        argv, _lim, run = self._prepare(cmd, limits)
+        kwargs = self._popen_kwargs(subprocess.PIPE, run.fds)
+        return Launch(argv, kwargs, self, run)
+
+    def _launched(self, pid: int, run: _Exec) -> None:
+        run.close_fds()
+        with self._lock:
+            self._live.add(pid)
+
+    def _ended(self, pid: int, run: _Exec) -> None:
+        _kill_group(pid)
+        self._finish(pid, run)
+
     @staticmethod
     def _kill(pid: int, group: SandboxCgroup | None) -> None:
         _kill_group(pid)
@@ -441,6 +459,26 @@ async def _read_capped(
         if len(chunk) > room:
             dropped[index] = True
         buf += chunk[: max(room, 0)]
+
+
+class Launch:
+    """A long-running command prepared by :meth:`LocalSandbox.launch` (see there)."""
+
+    def __init__(self, argv: list[str], popen_kwargs: dict[str, Any], sandbox: LocalSandbox, run: _Exec) -> None:
+        self.argv, self.popen_kwargs = argv, popen_kwargs
+        self._sandbox, self._run = sandbox, run
+
+    def started(self, pid: int) -> None:
+        """The command runs as ``pid`` (or failed to start: ``pid`` 0): release what only the start needed."""
+        if pid:
+            self._sandbox._launched(pid, self._run)
+        else:
+            self._run.close_fds()
+            self._sandbox._finish(0, self._run)
+
+    def ended(self, pid: int) -> None:
+        """Kill what is left of the command (its process group, then its cgroup); call once, after the start."""
+        self._sandbox._ended(pid, self._run)
 
 
 class _Exec:
