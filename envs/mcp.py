@@ -30,12 +30,15 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envs.core import ToolSpec
 from envs.errors import EnvError
 from envs.sandbox.base import Limits
 from envs.tools import ToolEnv
+
+if TYPE_CHECKING:
+    from envs.mcp_stdio import Launched
 
 SERVER_LIMITS = Limits(memory_mb=4096, cpu_s=3600, max_procs=64, sandbox_memory_mb=2048)
 """Sandbox limits of a stdio server: it lives as long as the env, so its CPU-time cap is an hour."""
@@ -142,6 +145,8 @@ class MCPToolSet:
         self._stop: asyncio.Event | None = None
         self._owner: Future[None] | None = None
         self._closed = False
+        self._broken = False
+        self._launched: Launched | None = None  # a stdio server, once started
         try:
             self._open()
         except BaseException:
@@ -171,7 +176,9 @@ class MCPToolSet:
                 await self._stop.wait()
         except BaseException as e:
             if not ready.done():
-                ready.set_exception(MCPError(f"MCP server {self.server.label!r} failed to start: {_describe(e)}"))
+                tail = self._launched.stderr_tail()[-800:] if self._launched is not None else ""
+                why = _describe(e) + (f" (its stderr: {tail})" if tail else "")
+                ready.set_exception(MCPError(f"MCP server {self.server.label!r} failed to start: {why}"))
             if not isinstance(e, Exception):
                 raise
         finally:
@@ -192,8 +199,11 @@ class MCPToolSet:
             return
         from envs.mcp_stdio import sandboxed_stdio
 
-        async with sandboxed_stdio(s) as streams:
+        async with sandboxed_stdio(s, self._started) as streams:
             yield streams
+
+    def _started(self, launched: Launched) -> None:
+        self._launched = launched
 
     async def _list_tools(self, client: Any) -> list[ToolSpec]:
         specs, cursor, seen = [], None, set()
@@ -237,7 +247,7 @@ class MCPToolSet:
 
     async def _call(self, name: str, arguments: dict[str, Any]) -> str:
         from mcp.shared.exceptions import MCPError as ProtocolError
-        from mcp_types import REQUEST_TIMEOUT
+        from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
         client, s = self._client, self.server
         if client is None:
@@ -248,8 +258,11 @@ class MCPToolSet:
         except ProtocolError as e:
             if e.code == REQUEST_TIMEOUT:
                 raise MCPError(f"tool {name!r} timed out after {s.call_timeout_s:g} s") from None
+            if e.code == CONNECTION_CLOSED:
+                self._broken = True
             raise MCPError(f"tool {name!r}: {e.error.message}") from None
         except Exception as e:
+            self._broken = True
             raise MCPError(f"tool {name!r}: the MCP server {s.label!r} failed: {_describe(e)}") from None
         text = render_result(result)
         if result.is_error:
@@ -258,8 +271,15 @@ class MCPToolSet:
 
     @property
     def connected(self) -> bool:
-        """True while the session is up (False after the server exited or :meth:`close`)."""
-        return self._client is not None and self._owner is not None and not self._owner.done()
+        """False once the session is known to be down (a call found it closed, or :meth:`close` ran)."""
+        return self._client is not None and not self._broken and self._owner is not None and not self._owner.done()
+
+    def alive(self) -> bool:
+        """Whether the session is still usable as far as can be seen without a request: not closed, no call found
+        it broken, and (stdio) the server process has not exited. An HTTP server's death shows at the next call."""
+        if self._launched is not None and self._launched.process.returncode is not None:
+            self._broken = True
+        return self.connected
 
     def close(self) -> None:
         """End the session (and a stdio server with everything it started); idempotent."""
@@ -345,7 +365,7 @@ class MCPToolEnv(ToolEnv):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         """Reconnect a server that died, then reset as :meth:`ToolEnv.reset`."""
         for i, ts in enumerate(self.mcp):
-            if not ts.connected:
+            if not ts.alive():
                 ts.close()
                 self.mcp[i] = MCPToolSet(self._servers[i])
         self._route = self._routes()

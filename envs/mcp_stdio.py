@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -28,7 +28,7 @@ STDERR_KEEP = 4096
 """Bytes of the server's stderr kept for error messages."""
 
 
-class _Launched:
+class Launched:
     """The started server: its process, the sandbox that owns it (if any) and the tail of its stderr."""
 
     def __init__(self, process: Any, sandbox: Any, launch: Any) -> None:
@@ -39,18 +39,19 @@ class _Launched:
         return self.stderr[-STDERR_KEEP:].decode(errors="replace").strip()
 
 
-async def _start(server: MCPServer) -> _Launched:
+async def _start(server: MCPServer) -> Launched:
     argv = list(server.command)
     if server.sandbox is None:
         env = {**os.environ, **server.env}
         proc = await anyio.open_process(argv, env=env, start_new_session=True)
-        return _Launched(proc, None, None)
-    from envs.sandbox import make_sandbox
+        return Launched(proc, None, None)
+    from envs.sandbox import BwrapSandbox, ProcessSandbox
 
-    kw: dict[str, Any] = {"limits": server.limits, "env": dict(server.env)}
+    sandbox: BwrapSandbox | ProcessSandbox
     if server.sandbox == "bwrap":
-        kw["ro_binds"] = list(server.mounts)
-    sandbox = make_sandbox(server.sandbox, **kw)
+        sandbox = BwrapSandbox(server.limits, dict(server.env), ro_binds=list(server.mounts))
+    else:
+        sandbox = ProcessSandbox(server.limits, dict(server.env))
     try:
         launch = sandbox.launch(argv, server.limits)
         pk = launch.popen_kwargs
@@ -65,12 +66,14 @@ async def _start(server: MCPServer) -> _Launched:
     except BaseException:
         sandbox.close()
         raise
-    return _Launched(proc, sandbox, launch)
+    return Launched(proc, sandbox, launch)
 
 
 @contextlib.asynccontextmanager
-async def sandboxed_stdio(server: MCPServer) -> AsyncIterator[Any]:
-    """The ``(read_stream, write_stream)`` pair ``mcp.Client`` talks over, for a stdio ``server``."""
+async def sandboxed_stdio(server: MCPServer, started: Callable[[Any], None] | None = None) -> AsyncIterator[Any]:
+    """The ``(read_stream, write_stream)`` pair ``mcp.Client`` talks over, for a stdio ``server``; ``started`` is
+    given the started server (its ``process.returncode`` says whether it still runs, ``stderr_tail()`` what it
+    wrote last)."""
     import mcp_types
     from mcp.shared.message import SessionMessage
 
@@ -79,6 +82,8 @@ async def sandboxed_stdio(server: MCPServer) -> AsyncIterator[Any]:
     except (OSError, SandboxError) as e:
         raise SandboxError(f"could not start MCP server {server.label!r}: {e}") from e
     proc = run.process
+    if started is not None:
+        started(run)
     to_session, from_server = anyio.create_memory_object_stream[Any](0)
     to_server, from_session = anyio.create_memory_object_stream[Any](0)
 
@@ -118,11 +123,6 @@ async def sandboxed_stdio(server: MCPServer) -> AsyncIterator[Any]:
             tg.start_soon(write_stdin)
             try:
                 yield from_server, to_server
-            except Exception as e:
-                tail = run.stderr_tail()
-                if tail and proc.returncode is not None:
-                    raise SandboxError(f"{e} (the server exited with {proc.returncode}; stderr: {tail[-800:]})") from e
-                raise
             finally:
                 with anyio.CancelScope(shield=True):
                     await _stop(run)
@@ -132,7 +132,7 @@ async def sandboxed_stdio(server: MCPServer) -> AsyncIterator[Any]:
             await _stop(run)
 
 
-async def _stop(run: _Launched) -> None:
+async def _stop(run: Launched) -> None:
     """Close stdin, wait out the grace period, then kill the process group (and the sandbox's cgroup)."""
     if getattr(run, "stopped", False):
         return
