@@ -14,6 +14,15 @@ is missing):
 - ``agentflow/Retrieval-v0``: questions answered by searching a shipped document collection.
 - ``agentflow/Browser-v0``: web tasks in shipped local web apps (Playwright + system Chromium; screenshots).
 - ``agentflow/Desktop-v0``: Tk desktop apps on an Xvfb display, driven through XTEST (screenshots).
+
+Adapted from other libraries (:mod:`envs.adapters`; their packages are the ``adapters`` extra):
+
+- ``textarena/<Game>-v0``: TextArena's single-player games (``GuessTheNumber``, ``Mastermind``, ``TowerOfHanoi``,
+  ``FifteenPuzzle``, ``LightsOut``; any other with ``game=``), multi-turn, the game's reward as the verifier.
+- ``reasoning_gym/<dataset>-v0``: Reasoning Gym's procedural datasets (``chain_sum``, ``basic_arithmetic``, ``gcd``,
+  ``count_bits``, ``spell_backward``, ``leg_counting``; any other with ``dataset=``), scored by their own verifiers.
+
+MCP tool servers become tools of any env through :mod:`envs.mcp`.
 """
 
 from __future__ import annotations
@@ -29,3 +38,8 @@ register("agentflow/Trail-v0", "envs.trail:TrailEnv", max_turns=20, expert="envs
 register("agentflow/Retrieval-v0", "envs.retrieval:RetrievalEnv", max_turns=8, expert="envs.retrieval:expert_action")
 register("agentflow/Browser-v0", "envs.browser.env:BrowserEnv", max_turns=16, expert="envs.browser.tasks:expert_action")
 register("agentflow/Desktop-v0", "envs.desktop.env:DesktopEnv", max_turns=12, expert="envs.desktop.tasks:expert_action")
+for _game in ("GuessTheNumber-v0", "Mastermind-v0", "TowerOfHanoi-v0", "FifteenPuzzle-v0", "LightsOut-v0"):
+    _expert = "envs.adapters:guess_the_number_expert" if _game == "GuessTheNumber-v0" else None
+    register(f"textarena/{_game}", "envs.adapters:TextArenaEnv", kwargs={"game": _game}, expert=_expert)
+for _dataset in ("chain_sum", "basic_arithmetic", "gcd", "count_bits", "spell_backward", "leg_counting"):
+    register(f"reasoning_gym/{_dataset}-v0", "envs.adapters:ReasoningGymEnv", kwargs={"dataset": _dataset})

@@ -61,6 +61,8 @@ ENV_NEEDS = {
     "agentflow/Browser-v0": (pytest.mark.browser, ("chromium",), "playwright"),
     "agentflow/Desktop-v0": (pytest.mark.desktop, ("Xvfb",), "Xlib"),
 }
+ADAPTED_NEEDS = {"textarena/": "textarena", "reasoning_gym/": "reasoning_gym"}
+"""The package each adapted env family (envs/adapters.py) runs on, by id prefix."""
 
 
 def env_param(env_id: str):
@@ -77,6 +79,9 @@ def require_env(env_id: str) -> None:
     from envs.sandbox import bwrap_works
 
     require(bwrap_works(), "bubblewrap (bwrap)")
+    for prefix, package in ADAPTED_NEEDS.items():
+        if env_id.startswith(prefix):
+            require(importlib.util.find_spec(package) is not None, f"the {package} package for {env_id}")
     if env_id in ENV_NEEDS:
         _, programs, module = ENV_NEEDS[env_id]
         found = all(shutil.which(p) for p in programs) and importlib.util.find_spec(module) is not None
