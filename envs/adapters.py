@@ -51,6 +51,8 @@ def _import(module: str, package: str) -> Any:
 class TextArenaEnv(AgentEnv):
     """One single-player TextArena game per episode (module doc)."""
 
+    task_sets = {"default": simple_task_set()}  # per instance, the task type is the game
+
     def __init__(
         self,
         game: str = "GuessTheNumber-v0",
@@ -143,6 +145,7 @@ def _render(messages: Any, skip_player: bool = False) -> str:
 class ReasoningGymEnv(AgentEnv):
     """One Reasoning Gym question per episode, scored by the dataset's own verifier (module doc)."""
 
+    task_sets = {"default": simple_task_set()}  # per instance, the task type is the dataset
     max_turns = 3  # one answer ends the episode; the other turns leave room to fix a malformed action
 
     def __init__(

@@ -253,6 +253,27 @@ def test_job_mixes_data_sources_and_carries_tags(tiny_model, tmp_path):
     assert seen == {("calc", ("math",), "agentflow/Calc-v0"), ("docs", ("search",), "agentflow/Retrieval-v0")}
 
 
+def test_job_mixes_our_env_with_adapted_ones(tiny_model, tmp_path):
+    """Calc-v0 beside a TextArena game and a Reasoning Gym dataset in one job (envs/adapters.py), end to end."""
+    from conftest import require_env
+
+    from agentflow.recipes.rl import run_job
+
+    for env_id in ("textarena/GuessTheNumber-v0", "reasoning_gym/chain_sum-v0"):
+        require_env(env_id)
+    cfg = _job_cfg(tiny_model, tmp_path, "async", steps=2)
+    over = [f"{k}={v}" for k, v in _flat(cfg.model_dump(mode="json")).items() if not k.startswith("data")]
+    sources = ("data.sources=[{env_id: agentflow/Calc-v0, name: calc}, "
+               "{env_id: textarena/GuessTheNumber-v0, name: game, env_kwargs: {reward: success}}, "
+               "{env_id: reasoning_gym/chain_sum-v0, name: chain}]")  # fmt: skip
+    summary = run_job(load_config(None, [*over, sources]), log=lambda *_: None)
+    journal = Journal.read(tmp_path / "async" / "journal.jsonl")
+    assert {t.data_source for t in journal} == {"calc", "game", "chain"}
+    adapted = [t for t in journal if t.data_source != "calc"]  # a random tiny model may run out of turns or tokens
+    assert adapted and all(t.status in ("ok", "truncated") and t.reward in (0.0, 1.0) for t in adapted)
+    assert summary["steps"] == 2
+
+
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
