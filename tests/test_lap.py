@@ -271,7 +271,7 @@ def test_job_mixes_our_env_with_adapted_ones(tiny_model, tmp_path):
     assert {t.data_source for t in journal} == {"calc", "game", "chain"}
     adapted = [t for t in journal if t.data_source != "calc"]  # a random tiny model may run out of turns or tokens
     assert adapted and all(t.status in ("ok", "truncated") and t.reward in (0.0, 1.0) for t in adapted)
-    assert summary["steps"] == 2
+    assert summary["rl_steps"] == 2 and set(summary["per_source"]) == {"calc", "game", "chain"}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
