@@ -157,25 +157,33 @@ def test_m2po_drops_the_largest_squares_until_the_second_moment_fits():
     log_r = torch.tensor([[0.5, 0.1, 2.0], [-0.3, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the 2.0 is off the mask: ignored
     r = torch.exp(log_r)
+    capped = torch.clamp(r, max=2.0)  # kept tokens weigh min(r, is_cap), as under tis
+
+    def expect(kept):
+        return torch.tensor(kept) * capped
+
     # squares 0.25, 0.01, 0.09, 0: mean 0.35 / 4 = 0.0875; without 0.25: 0.10 / 3 = 0.033; without 0.09 too: 0.005
     keep = weights_m2po(r, log_r, mask, LossSettings(m2po_tau=0.04))
-    assert keep.tolist() == [[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    assert torch.allclose(keep, expect([[0.0, 1.0, 1.0], [1.0, 1.0, 1.0]]))
     keep = weights_m2po(r, log_r, mask, LossSettings(m2po_tau=0.02))
-    assert keep.tolist() == [[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]]
-    assert weights_m2po(r, log_r, mask, LossSettings(m2po_tau=0.1)).tolist() == [[1.0] * 3] * 2  # 0.0875 fits
+    assert torch.allclose(keep, expect([[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]]))
+    assert torch.allclose(weights_m2po(r, log_r, mask, LossSettings(m2po_tau=0.1)), capped)  # 0.0875 fits
     # a tie: squares 0.09, 0.09, 0, 0 have mean 0.045; dropping one (the earlier) leaves 0.03
     tie = torch.tensor([[0.3, -0.3, 0.0, 0.0]])
-    assert weights_m2po(tie.exp(), tie, torch.ones(1, 4), LossSettings()).tolist() == [[0.0, 1.0, 1.0, 1.0]]
+    got = weights_m2po(tie.exp(), tie, torch.ones(1, 4), LossSettings())
+    assert torch.allclose(got, torch.tensor([[0.0, math.exp(-0.3), 1.0, 1.0]]))
     empty = weights_m2po(r, log_r, torch.zeros(2, 3), LossSettings())
-    assert empty.tolist() == [[1.0] * 3] * 2
+    assert torch.allclose(empty, capped)
 
 
 def test_m2po_through_the_loss():
     logp, behaviour, adv, mask = _case()
     # log r = [0.2, 0 | -1.5]: squares 0.04, 0, 2.25 (mean 0.763); dropping 2.25 leaves 0.02 <= 0.04
     loss, m = _loss(logp, logp.detach(), behaviour, adv, mask, off_policy="m2po", m2po_tau=0.04)
-    assert loss.item() == pytest.approx(-2 / 3, abs=1e-6)  # kept tokens weigh 1, unlike tis
+    assert loss.item() == pytest.approx(-(math.exp(0.2) + 1.0) / 3, abs=1e-6)  # row 0 weighs r; row 1 dropped
     assert m["is_weight_zero_frac"].item() == 1.0
+    tis, _ = _loss(logp, logp.detach(), behaviour, adv, mask, off_policy="tis")
+    assert tis.item() == pytest.approx(-(math.exp(0.2) + 1.0 - math.exp(-1.5)) / 3, abs=1e-6)
 
 
 def test_opsm_masks_negative_drifted_sequences():

@@ -46,9 +46,12 @@ How each departs from its paper:
 
   - ``m2po`` (M2PO, Zheng et al. 2025): per micro-batch, sort its model tokens by ``(log r)^2`` and drop the fewest
     largest ones so that the mean ``(log r)^2`` of the tokens kept is ``<= m2po_tau`` (ties: the earlier token
-    first); kept tokens weigh 1. The paper bounds the whole batch's second moment; a micro-batch bound implies the
-    batch's (a mean of means each within the bound), dropping at least as many tokens. The paper also trains
-    without the PPO clip; here the configured loss keeps its own.
+    first); kept tokens weigh ``min(r, C)`` as under ``tis``. The paper's objective is ``M * pi / pi_behaviour * A``
+    (no proximal policy); with ours in between that is ``M * r * pi / pi_old * A``, and the cap is AReaL's on its
+    decoupled behaviour weight (a mask that left kept tokens at 1 ignored their behaviour mismatch, and collapsed the
+    demo at a staleness bound of 4: docs/results.md). The paper bounds the whole batch's second moment; a
+    micro-batch bound implies the batch's (a mean of means each within the bound), dropping at least as many tokens.
+    The paper also trains without the PPO clip; here the configured loss keeps its own.
   - ``opsm`` (off-policy sequence masking, DeepSeek-V3.2): a sequence whose mean advantage over its model tokens is
     negative and whose mean ``log(pi_behaviour / pi)`` over them exceeds ``opsm_delta`` weighs 0, every other
     sequence 1. ``pi`` is the current policy (detached), so the rule tracks drift within an update too.
@@ -287,13 +290,13 @@ def weights_geo_seq_tis(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor
 
 def weights_m2po(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, cfg: LossSettings) -> torch.Tensor:
     """M2PO's mask: drop the fewest tokens of largest ``(log r)^2`` so that the kept tokens' mean ``(log r)^2`` is
-    at most ``m2po_tau`` (over the model tokens given, one micro-batch)."""
+    at most ``m2po_tau`` (over the model tokens given, one micro-batch); the kept ones weigh ``min(r, is_cap)``."""
     keep = torch.ones_like(r)
     on = mask > 0
     sq = log_r[on].to(torch.float64) ** 2
     n = sq.numel()
     if n == 0:
-        return keep
+        return keep * torch.clamp(r, max=cfg.is_cap)
     ordered, order = torch.sort(sq, descending=True, stable=True)
     tail = ordered.flip(0).cumsum(0).flip(0)  # tail[k]: the squares left after dropping the k largest
     fits = tail <= cfg.m2po_tau * torch.arange(n, 0, -1, dtype=torch.float64)
@@ -301,7 +304,7 @@ def weights_m2po(r: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, cfg: 
     kept = torch.ones(n, dtype=r.dtype)
     kept[order[:k]] = 0.0
     keep[on] = kept
-    return keep
+    return keep * torch.clamp(r, max=cfg.is_cap)
 
 
 def weights_opsm(
