@@ -227,3 +227,12 @@ def test_include_and_clashing_names(http_server: str) -> None:
         MCPToolSet(MCPServer(url=http_server, include=("add", "mul")))
     with pytest.raises(MCPError, match="is taken; set a 'prefix'"):
         AddEnv(mcp_servers=[MCPServer(url=http_server), MCPServer(url=http_server)])
+
+
+def test_the_mcp_env_passes_conformance_and_the_fuzz(stdio_env: AddEnv) -> None:
+    from envs.checker import check_agent_env
+    from envs.fuzz import fuzz_env
+
+    check_agent_env(stdio_env, actions=[tool_action("add", {"a": 1, "b": 2}), answer_action("3")])
+    report = fuzz_env(stdio_env, 120, seed=11)
+    assert report.ok, report.failures[:3]
