@@ -1,4 +1,4 @@
-"""Make a small Qwen2-architecture Hugging Face model directory locally, deterministically from a seed.
+"""Make a small Qwen2- or Qwen3-architecture Hugging Face model directory locally, deterministically from a seed.
 
 The tokenizer is a byte-level BPE trained here with the ``tokenizers`` library on a synthetic corpus (chat markup,
 tool-call JSON, arithmetic and plain English), with digits split one per token so numbers can be copied digit by
@@ -33,6 +33,15 @@ class ModelInitConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     seed: int = 0
+    arch: str = "qwen2"
+    """``qwen2`` (q/k/v biases) or ``qwen3`` (no biases; per-head q/k RMSNorm)."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHES:
+            raise ValueError(f"unknown arch {self.arch!r}; choose from {list(ARCHES)}")
+
+
+ARCHES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 _WORDS = (
@@ -136,6 +145,7 @@ def _init_weights(cfg: ModelInitConfig) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=gen) * 0.02
 
     state = {"model.embed_tokens.weight": normal(cfg.vocab_size, h), "model.norm.weight": torch.ones(h)}
+    head_dim = h // cfg.num_attention_heads
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         state |= {
@@ -152,6 +162,11 @@ def _init_weights(cfg: ModelInitConfig) -> dict[str, torch.Tensor]:
             p + "input_layernorm.weight": torch.ones(h),
             p + "post_attention_layernorm.weight": torch.ones(h),
         }
+        if cfg.arch == "qwen3":  # the same random draws as qwen2; no biases, and the per-head q/k norms
+            for x in "qkv":
+                del state[p + f"self_attn.{x}_proj.bias"]
+            state[p + "self_attn.q_norm.weight"] = torch.ones(head_dim)
+            state[p + "self_attn.k_norm.weight"] = torch.ones(head_dim)
     if not cfg.tie_word_embeddings:
         state["lm_head.weight"] = normal(cfg.vocab_size, h)
     return state
@@ -160,9 +175,12 @@ def _init_weights(cfg: ModelInitConfig) -> dict[str, torch.Tensor]:
 def hf_config(cfg: ModelInitConfig, eos_id: int, bos_id: int) -> dict:
     fields = asdict(cfg)
     fields.pop("seed")
+    arch = fields.pop("arch")
+    extra = {"head_dim": cfg.hidden_size // cfg.num_attention_heads, "attention_bias": False} if arch == "qwen3" else {}
     return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+        "architectures": [ARCHES[arch]],
+        "model_type": arch,
+        **extra,
         "hidden_act": "silu",
         "torch_dtype": "float32",
         "use_sliding_window": False,

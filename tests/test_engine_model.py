@@ -23,6 +23,7 @@ TINY_QWEN2 = dict(
     max_position_embeddings=512,
 )
 TINY_LLAMA = dict(TINY_QWEN2, tie_word_embeddings=False, attention_bias=True, rms_norm_eps=1e-5, rope_theta=5000.0)
+TINY_QWEN3 = dict(TINY_QWEN2, head_dim=24, rope_parameters={"rope_theta": 20000.0, "rope_type": "default"})
 
 
 def make_model_dir(path: Path, arch: str = "qwen2", seed: int = 0, scale: float = 0.15, **overrides: object):
@@ -31,6 +32,9 @@ def make_model_dir(path: Path, arch: str = "qwen2", seed: int = 0, scale: float 
     if arch == "qwen2":
         cfg = transformers.Qwen2Config(**{**TINY_QWEN2, **overrides})
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**{**TINY_QWEN3, **overrides})
+        model = transformers.Qwen3ForCausalLM(cfg)
     else:
         cfg = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
         model = transformers.LlamaForCausalLM(cfg)
@@ -42,7 +46,7 @@ def make_model_dir(path: Path, arch: str = "qwen2", seed: int = 0, scale: float 
     return model
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
 def hf_pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     return make_model_dir(path, request.param), path
@@ -60,10 +64,11 @@ def test_config_fields(hf_pair) -> None:
     hf, path = hf_pair
     model = load_hf_dir(path)
     c = model.config
-    assert c.num_key_value_heads == 2 and c.kv_channels == 16
+    assert c.num_key_value_heads == 2 and c.kv_channels == (24 if c.model_type == "qwen3" else 16)
     assert c.tie_word_embeddings == hf.config.tie_word_embeddings
-    assert c.attention_bias and c.o_proj_bias == (c.model_type == "llama")
-    assert c.rope_theta == (10000.0 if c.model_type == "qwen2" else 5000.0)
+    assert c.attention_bias == (c.model_type != "qwen3") and c.o_proj_bias == (c.model_type == "llama")
+    assert c.qk_norm == (c.model_type == "qwen3")
+    assert c.rope_theta == {"qwen2": 10000.0, "llama": 5000.0, "qwen3": 20000.0}[c.model_type]
     n_hf = sum(p.numel() for p in hf.parameters())
     assert param_count(c) == n_hf
 
@@ -140,3 +145,20 @@ def test_batched_prefill_matches_full_forward(hf_pair) -> None:
         torch.testing.assert_close(logits[row], model.forward_full(seq)[-1], atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="max_len"):
         model.prefill_batch(cache, [0], [seqs[1]], [25])
+
+
+def test_model_init_qwen3_is_a_transformers_qwen3(tmp_path: Path) -> None:
+    from agentflow.model_init import ModelInitConfig, init_model
+
+    cfg = ModelInitConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=48, vocab_size=384, arch="qwen3")
+    path = init_model(tmp_path / "q3", cfg)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    ours = load_hf_dir(path)
+    assert ours.config.qk_norm and not ours.config.attention_bias
+    ids = torch.arange(3, 40)
+    with torch.no_grad():
+        ref = hf(input_ids=ids[None]).logits[0]
+    assert (ours.forward_full(ids) - ref).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="unknown arch"):
+        ModelInitConfig(arch="gpt2")

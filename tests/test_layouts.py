@@ -48,6 +48,24 @@ LLAMA_CONFIG = {
     "head_dim": 8,
     "max_position_embeddings": 2048,
 }
+QWEN3_CONFIG = {
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 24,
+    "vocab_size": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "max_position_embeddings": 512,
+    "hidden_act": "silu",
+}
+CONFIGS = {"qwen2": QWEN2_CONFIG, "llama": LLAMA_CONFIG, "qwen3": QWEN3_CONFIG}
 
 
 def random_hf_state(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -56,9 +74,9 @@ def random_hf_state(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
     return {name: torch.randn(shape, generator=gen) for name, shape in hf_shapes(spec).items()}
 
 
-@pytest.fixture(params=["qwen2", "llama"])
+@pytest.fixture(params=["qwen2", "llama", "qwen3"])
 def spec(request: pytest.FixtureRequest) -> ModelSpec:
-    return ModelSpec.from_hf_config(QWEN2_CONFIG if request.param == "qwen2" else LLAMA_CONFIG)
+    return ModelSpec.from_hf_config(CONFIGS[request.param])
 
 
 def test_from_hf_config_reads_both_families() -> None:

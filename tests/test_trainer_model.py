@@ -40,6 +40,9 @@ def _save_tiny(family: str, path: Path) -> Path:
     if family == "qwen2":
         cfg = transformers.Qwen2Config(**TINY, vocab_size=128, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif family == "qwen3":  # a head_dim that is not hidden / heads, as in the released Qwen3 models
+        cfg = transformers.Qwen3Config(**TINY, head_dim=24, vocab_size=112, tie_word_embeddings=False)
+        model = transformers.Qwen3ForCausalLM(cfg)
     else:
         cfg = transformers.LlamaConfig(**TINY, vocab_size=96, tie_word_embeddings=False, rope_theta=50000.0)
         model = transformers.LlamaForCausalLM(cfg)
@@ -52,7 +55,7 @@ def _save_tiny(family: str, path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
 def hf_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save_tiny(request.param, tmp_path_factory.mktemp(request.param))
 

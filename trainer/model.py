@@ -104,7 +104,7 @@ class CPURotaryEmbedding(RotaryEmbedding):
 
 
 def make_transformer_config(spec: ModelSpec, device: str = "cpu", bf16: bool = False) -> TransformerConfig:
-    """The megatron TransformerConfig of a Llama/Qwen2 spec: fp32, no dropout, no fusions, CPU initialization.
+    """The megatron TransformerConfig of a Llama/Qwen2/Qwen3 spec: fp32, no dropout, no fusions, CPU initialization.
 
     On ``cuda``: optionally bf16, and ``calculate_per_token_loss`` so that Megatron DDP *sums* gradients over DP
     ranks (every rank's loss is already divided by the global token count).
@@ -142,14 +142,15 @@ def make_transformer_config(spec: ModelSpec, device: str = "cpu", bf16: bool = F
     )
 
 
-def cpu_layer_spec() -> ModuleSpec:
-    """megatron's local GPT layer spec (RMSNorm) with :class:`SDPACoreAttention` as core attention."""
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+def cpu_layer_spec(qk_norm: bool = False) -> ModuleSpec:
+    """megatron's local GPT layer spec (RMSNorm; per-head q/k RMSNorm with ``qk_norm``) with
+    :class:`SDPACoreAttention` as core attention."""
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
     layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return layer_spec
 
 
-def cuda_layer_spec(kind: str = "auto") -> ModuleSpec:
+def cuda_layer_spec(kind: str = "auto", qk_norm: bool = False) -> ModuleSpec:
     """The GPU layer spec: ``te`` (TransformerEngine), ``local`` (megatron's stock local spec), ``sdpa`` (the CPU spec)
     or ``auto`` (``te`` when transformer_engine imports, else ``local``)."""
     if kind == "auto":
@@ -162,11 +163,11 @@ def cuda_layer_spec(kind: str = "auto") -> ModuleSpec:
     if kind == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
     if kind == "local":
-        return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
     if kind == "sdpa":
-        return cpu_layer_spec()
+        return cpu_layer_spec(qk_norm)
     raise ValueError(f"unknown layer spec {kind!r}; choose auto, te, local or sdpa")
 
 
@@ -187,7 +188,7 @@ def build_gpt_model(
     config = make_transformer_config(spec)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=cpu_layer_spec(),
+        transformer_layer_spec=cpu_layer_spec(spec.qk_norm),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
@@ -212,7 +213,7 @@ def _build_cuda_model(spec: ModelSpec, seed: int, bf16: bool, layer_spec: str) -
     config = make_transformer_config(spec, device="cuda", bf16=bf16)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=cuda_layer_spec(layer_spec),
+        transformer_layer_spec=cuda_layer_spec(layer_spec, spec.qk_norm),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,

@@ -1,7 +1,8 @@
 """Model-family layouts: Hugging Face <-> megatron-core ``GPTModel`` tensor names and shapes.
 
-Written once and used by the trainer (load/export of HF directories) and by weight sync. Covers the Llama and
-Qwen2 families with megatron-core's *local* layer spec names (``input_layernorm`` / ``pre_mlp_layernorm``).
+Written once and used by the trainer (load/export of HF directories) and by weight sync. Covers the Llama, Qwen2
+and Qwen3 (dense) families with megatron-core's *local* layer spec names (``input_layernorm`` /
+``pre_mlp_layernorm``; Qwen3's per-head ``q_norm``/``k_norm`` are ``self_attention.q_layernorm``/``k_layernorm``).
 
 Conventions of the megatron side:
 
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
 
 
 class LayoutError(ValueError):
@@ -33,7 +34,7 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The architecture facts of a Llama/Qwen2 model that the layouts and the trainer need."""
+    """The architecture facts of a Llama/Qwen2/Qwen3 model that the layouts and the trainer need."""
 
     model_type: str
     hidden_size: int
@@ -69,6 +70,11 @@ class ModelSpec:
     def heads_per_group(self) -> int:
         """Query heads per KV group."""
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys are RMS-normalised per head before RoPE (Qwen3's ``q_norm``/``k_norm``)."""
+        return self.model_type == "qwen3"
 
     @property
     def o_proj_bias(self) -> bool:
@@ -149,6 +155,9 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         out[p + "self_attn.o_proj.weight"] = (h, q_out)
         if spec.o_proj_bias:
             out[p + "self_attn.o_proj.bias"] = (h,)
+        if spec.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (d,)
+            out[p + "self_attn.k_norm.weight"] = (d,)
         out[p + "post_attention_layernorm.weight"] = (h,)
         out[p + "mlp.gate_proj.weight"] = (inter, h)
         out[p + "mlp.up_proj.weight"] = (inter, h)
@@ -181,6 +190,9 @@ def megatron_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.attention_bias:
             out[p + "self_attention.linear_qkv.bias"] = (qkv_out,)
         out[p + "self_attention.linear_proj.weight"] = (h, spec.num_attention_heads * d)
+        if spec.qk_norm:
+            out[p + "self_attention.q_layernorm.weight"] = (d,)
+            out[p + "self_attention.k_layernorm.weight"] = (d,)
         out[p + "pre_mlp_layernorm.weight"] = (h,)
         out[p + "mlp.linear_fc1.weight"] = (2 * inter, h)
         out[p + "mlp.linear_fc2.weight"] = (h, inter)
@@ -207,11 +219,19 @@ _LAYER_RENAMES = (
     ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
     ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
 )
+_QK_NORM_RENAMES = (
+    ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+    ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
+)
 _TOP_RENAMES = (
     ("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
     ("model.norm.weight", "decoder.final_layernorm.weight"),
     ("lm_head.weight", "output_layer.weight"),
 )
+
+
+def _layer_renames(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
+    return _LAYER_RENAMES + (_QK_NORM_RENAMES if spec.qk_norm else ())
 
 
 def _is_ignorable(name: str, value: Any) -> bool:
@@ -276,7 +296,7 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], spec: ModelSpec) -> dict[str,
             out[mg_name] = tensors[hf_name]
     for i in range(spec.num_hidden_layers):
         hp, mp = _hf_layer(i), _mg_layer(i)
-        for hf_suffix, mg_suffix in _LAYER_RENAMES:
+        for hf_suffix, mg_suffix in _layer_renames(spec):
             out[mp + mg_suffix] = tensors[hp + hf_suffix]
         kinds = ("weight", "bias") if spec.attention_bias else ("weight",)
         for kind in kinds:
@@ -303,7 +323,7 @@ def megatron_to_hf(mg_state: Mapping[str, Tensor], spec: ModelSpec) -> dict[str,
             q, k, v = deinterleave_qkv(tensors[f"{mp}self_attention.linear_qkv.{kind}"], spec)
             for x, t in zip("qkv", (q, k, v), strict=True):
                 out[f"{hp}self_attn.{x}_proj.{kind}"] = t
-        for hf_suffix, mg_suffix in _LAYER_RENAMES[1:]:
+        for hf_suffix, mg_suffix in _layer_renames(spec)[1:]:
             out[hp + hf_suffix] = tensors[mp + mg_suffix]
         gate, up = torch.chunk(tensors[mp + "mlp.linear_fc1.weight"], 2, dim=0)
         out[hp + "mlp.gate_proj.weight"] = gate.contiguous()

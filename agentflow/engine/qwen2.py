@@ -1,4 +1,4 @@
-"""A pure-torch Qwen2/Llama decoder (fp32) with a slot-based KV cache, loaded from Hugging Face names.
+"""A pure-torch Qwen2/Qwen3/Llama decoder (fp32) with a slot-based KV cache, loaded from Hugging Face names.
 
 The model keeps its weights in a flat ``{hf_name: tensor}`` dict (the names a Hugging Face checkpoint and the
 trainer's exporter use), so a weight update is a validated, name-by-name ``copy_``. Each layer's q/k/v and gate/up
@@ -139,6 +139,11 @@ class DecoderModel:
             # per-op overhead, so fewer, larger ops are what makes it faster
             qkv = F.linear(h, qkv_w, qkv_b).view(n, nq + 2 * nkv, c.kv_channels)
             qk = qkv[:, : nq + nkv]
+            if c.qk_norm:  # Qwen3: each query and key head RMS-normalised before RoPE
+                q_w, k_w = self.params[p + "self_attn.q_norm.weight"], self.params[p + "self_attn.k_norm.weight"]
+                qk = torch.cat(
+                    (rms_norm(qk[:, :nq], q_w, c.rms_norm_eps), rms_norm(qk[:, nq:], k_w, c.rms_norm_eps)), 1
+                )
             qk = qk * cos + _rotate_half(qk) * sin
             a = attend(i, qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :])
             x = x + F.linear(a, self.params[p + "self_attn.o_proj.weight"], self._p(p + "self_attn.o_proj.bias"))
