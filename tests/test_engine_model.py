@@ -24,6 +24,7 @@ TINY_QWEN2 = dict(
 )
 TINY_LLAMA = dict(TINY_QWEN2, tie_word_embeddings=False, attention_bias=True, rms_norm_eps=1e-5, rope_theta=5000.0)
 TINY_QWEN3 = dict(TINY_QWEN2, head_dim=24, rope_parameters={"rope_theta": 20000.0, "rope_type": "default"})
+TINY_QWEN3_MOE = dict(TINY_QWEN3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 
 
 def make_model_dir(path: Path, arch: str = "qwen2", seed: int = 0, scale: float = 0.15, **overrides: object):
@@ -35,6 +36,9 @@ def make_model_dir(path: Path, arch: str = "qwen2", seed: int = 0, scale: float 
     elif arch == "qwen3":
         cfg = transformers.Qwen3Config(**{**TINY_QWEN3, **overrides})
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides})
+        model = transformers.Qwen3MoeForCausalLM(cfg)
     else:
         cfg = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
         model = transformers.LlamaForCausalLM(cfg)
@@ -46,7 +50,7 @@ def make_model_dir(path: Path, arch: str = "qwen2", seed: int = 0, scale: float 
     return model
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "qwen3_moe"])
 def hf_pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     return make_model_dir(path, request.param), path
@@ -64,11 +68,12 @@ def test_config_fields(hf_pair) -> None:
     hf, path = hf_pair
     model = load_hf_dir(path)
     c = model.config
-    assert c.num_key_value_heads == 2 and c.kv_channels == (24 if c.model_type == "qwen3" else 16)
+    qwen3 = c.model_type.startswith("qwen3")
+    assert c.num_key_value_heads == 2 and c.kv_channels == (24 if qwen3 else 16)
     assert c.tie_word_embeddings == hf.config.tie_word_embeddings
-    assert c.attention_bias == (c.model_type != "qwen3") and c.o_proj_bias == (c.model_type == "llama")
-    assert c.qk_norm == (c.model_type == "qwen3")
-    assert c.rope_theta == {"qwen2": 10000.0, "llama": 5000.0, "qwen3": 20000.0}[c.model_type]
+    assert c.attention_bias == (not qwen3) and c.o_proj_bias == (c.model_type == "llama")
+    assert c.qk_norm == qwen3 and c.is_moe == (c.model_type == "qwen3_moe")
+    assert c.rope_theta == (20000.0 if qwen3 else {"qwen2": 10000.0, "llama": 5000.0}[c.model_type])
     n_hf = sum(p.numel() for p in hf.parameters())
     assert param_count(c) == n_hf
 

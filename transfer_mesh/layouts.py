@@ -1,8 +1,10 @@
 """Model-family layouts: Hugging Face <-> megatron-core ``GPTModel`` tensor names and shapes.
 
 Written once and used by the trainer (load/export of HF directories) and by weight sync. Covers the Llama, Qwen2
-and Qwen3 (dense) families with megatron-core's *local* layer spec names (``input_layernorm`` /
-``pre_mlp_layernorm``; Qwen3's per-head ``q_norm``/``k_norm`` are ``self_attention.q_layernorm``/``k_layernorm``).
+and Qwen3 families, dense and mixture-of-experts, with megatron-core's *local* layer spec names (``input_layernorm``
+/ ``pre_mlp_layernorm``; Qwen3's per-head ``q_norm``/``k_norm`` are ``self_attention.q_layernorm``/``k_layernorm``;
+a Qwen3-MoE layer's router ``mlp.gate`` is ``mlp.router`` and expert ``j``'s gate/up/down projections are
+``mlp.experts.local_experts.{j}.linear_fc1`` (gate then up) and ``linear_fc2``, as megatron's ``SequentialMLP``).
 
 Conventions of the megatron side:
 
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 
 class LayoutError(ValueError):
@@ -49,6 +51,14 @@ class ModelSpec:
     attention_bias: bool = False
     max_position_embeddings: int = 2048
     head_dim: int | None = None
+    num_experts: int = 0
+    """Routed experts per layer (0: a dense model)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Each expert's MLP width."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing probabilities to sum to 1 (else they are the full softmax's)."""
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -57,6 +67,13 @@ class ModelSpec:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if (self.model_type == "qwen3_moe") != (self.num_experts > 0):
+            raise ValueError("num_experts > 0 exactly for model_type 'qwen3_moe'")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size):
+            raise ValueError(
+                f"an MoE model needs 0 < num_experts_per_tok <= num_experts ({self.num_experts}) and a "
+                f"moe_intermediate_size, got {self.num_experts_per_tok} and {self.moe_intermediate_size}"
             )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size={self.hidden_size} not divisible by heads={self.num_attention_heads}")
@@ -74,7 +91,12 @@ class ModelSpec:
     @property
     def qk_norm(self) -> bool:
         """Whether queries and keys are RMS-normalised per head before RoPE (Qwen3's ``q_norm``/``k_norm``)."""
-        return self.model_type == "qwen3"
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether every layer's MLP is a set of routed experts."""
+        return self.num_experts > 0
 
     @property
     def o_proj_bias(self) -> bool:
@@ -93,6 +115,7 @@ class ModelSpec:
         if head_dim is not None and int(head_dim) == int(config["hidden_size"]) // heads:
             head_dim = None
         rope = config.get("rope_parameters") or {}
+        moe = _moe_fields(config) if model_type == "qwen3_moe" else {}
         return cls(
             model_type=model_type,
             hidden_size=int(config["hidden_size"]),
@@ -107,7 +130,24 @@ class ModelSpec:
             attention_bias=True if model_type == "qwen2" else bool(config.get("attention_bias", False)),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
             head_dim=None if head_dim is None else int(head_dim),
+            **moe,
         )
+
+
+def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A Qwen3-MoE config's expert fields; refuses dense layers among sparse ones and shared experts."""
+    if int(config.get("decoder_sparse_step", 1)) != 1 or config.get("mlp_only_layers"):
+        raise ValueError("unsupported MoE layout: dense MLP layers between MoE layers (decoder_sparse_step != 1 or "
+                         "mlp_only_layers)")  # fmt: skip
+    if config.get("shared_expert_intermediate_size"):
+        raise ValueError("unsupported MoE layout: a shared expert")
+    return {
+        # released checkpoints say num_experts; transformers 5 writes num_local_experts
+        "num_experts": int(config.get("num_experts") or config["num_local_experts"]),
+        "num_experts_per_tok": int(config["num_experts_per_tok"]),
+        "moe_intermediate_size": int(config["moe_intermediate_size"]),
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+    }
 
 
 def _check_supported_features(config: Mapping[str, Any]) -> None:
@@ -159,6 +199,17 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             out[p + "self_attn.q_norm.weight"] = (d,)
             out[p + "self_attn.k_norm.weight"] = (d,)
         out[p + "post_attention_layernorm.weight"] = (h,)
+        if spec.is_moe:
+            m = spec.moe_intermediate_size
+            out[p + "mlp.gate.weight"] = (spec.num_experts, h)
+            for j in range(spec.num_experts):
+                e = f"{p}mlp.experts.{j}."
+                out[e + "gate_proj.weight"], out[e + "up_proj.weight"], out[e + "down_proj.weight"] = (
+                    (m, h),
+                    (m, h),
+                    (h, m),
+                )
+            continue
         out[p + "mlp.gate_proj.weight"] = (inter, h)
         out[p + "mlp.up_proj.weight"] = (inter, h)
         out[p + "mlp.down_proj.weight"] = (h, inter)
@@ -194,6 +245,13 @@ def megatron_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             out[p + "self_attention.q_layernorm.weight"] = (d,)
             out[p + "self_attention.k_layernorm.weight"] = (d,)
         out[p + "pre_mlp_layernorm.weight"] = (h,)
+        if spec.is_moe:
+            m = spec.moe_intermediate_size
+            out[p + "mlp.router.weight"] = (spec.num_experts, h)
+            for j in range(spec.num_experts):
+                out[f"{p}mlp.experts.local_experts.{j}.linear_fc1.weight"] = (2 * m, h)
+                out[f"{p}mlp.experts.local_experts.{j}.linear_fc2.weight"] = (h, m)
+            continue
         out[p + "mlp.linear_fc1.weight"] = (2 * inter, h)
         out[p + "mlp.linear_fc2.weight"] = (h, inter)
     out["decoder.final_layernorm.weight"] = (h,)
@@ -217,8 +275,8 @@ _LAYER_RENAMES = (
     ("input_layernorm.weight", "input_layernorm.weight"),
     ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
     ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
-    ("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
 )
+_ROUTER_RENAME = (("mlp.gate.weight", "mlp.router.weight"),)
 _QK_NORM_RENAMES = (
     ("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
     ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight"),
@@ -231,7 +289,14 @@ _TOP_RENAMES = (
 
 
 def _layer_renames(spec: ModelSpec) -> tuple[tuple[str, str], ...]:
-    return _LAYER_RENAMES + (_QK_NORM_RENAMES if spec.qk_norm else ())
+    return _LAYER_RENAMES + (_QK_NORM_RENAMES if spec.qk_norm else ()) + (_ROUTER_RENAME if spec.is_moe else ())
+
+
+def _mlps(spec: ModelSpec) -> list[tuple[str, str]]:
+    """Each gated MLP of a layer as (HF prefix, megatron prefix): the dense one, or every expert."""
+    if not spec.is_moe:
+        return [("mlp.", "mlp.")]
+    return [(f"mlp.experts.{j}.", f"mlp.experts.local_experts.{j}.") for j in range(spec.num_experts)]
 
 
 def _is_ignorable(name: str, value: Any) -> bool:
@@ -302,8 +367,10 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], spec: ModelSpec) -> dict[str,
         for kind in kinds:
             q, k, v = (tensors[f"{hp}self_attn.{x}_proj.{kind}"] for x in "qkv")
             out[f"{mp}self_attention.linear_qkv.{kind}"] = interleave_qkv(q, k, v, spec)
-        gate, up = tensors[hp + "mlp.gate_proj.weight"], tensors[hp + "mlp.up_proj.weight"]
-        out[mp + "mlp.linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+        for hf_mlp, mg_mlp in _mlps(spec):
+            gate, up = tensors[hp + hf_mlp + "gate_proj.weight"], tensors[hp + hf_mlp + "up_proj.weight"]
+            out[mp + mg_mlp + "linear_fc1.weight"] = torch.cat([gate, up], dim=0)
+            out[mp + mg_mlp + "linear_fc2.weight"] = tensors[hp + hf_mlp + "down_proj.weight"]
     return out
 
 
@@ -325,9 +392,11 @@ def megatron_to_hf(mg_state: Mapping[str, Tensor], spec: ModelSpec) -> dict[str,
                 out[f"{hp}self_attn.{x}_proj.{kind}"] = t
         for hf_suffix, mg_suffix in _layer_renames(spec)[1:]:
             out[hp + hf_suffix] = tensors[mp + mg_suffix]
-        gate, up = torch.chunk(tensors[mp + "mlp.linear_fc1.weight"], 2, dim=0)
-        out[hp + "mlp.gate_proj.weight"] = gate.contiguous()
-        out[hp + "mlp.up_proj.weight"] = up.contiguous()
+        for hf_mlp, mg_mlp in _mlps(spec):
+            gate, up = torch.chunk(tensors[mp + mg_mlp + "linear_fc1.weight"], 2, dim=0)
+            out[hp + hf_mlp + "gate_proj.weight"] = gate.contiguous()
+            out[hp + hf_mlp + "up_proj.weight"] = up.contiguous()
+            out[hp + hf_mlp + "down_proj.weight"] = tensors[mp + mg_mlp + "linear_fc2.weight"]
     out["model.norm.weight"] = tensors["decoder.final_layernorm.weight"]
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = tensors["output_layer.weight"]
@@ -338,9 +407,9 @@ def megatron_to_hf(mg_state: Mapping[str, Tensor], spec: ModelSpec) -> dict[str,
 # ------------------------------------------------------------------------------------------------ tensor parallel
 
 _COLUMN_PARALLEL = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
-_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "linear_fc2.weight")  # the dense MLP's and each expert's
 _VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
-_FC1 = "mlp.linear_fc1.weight"
+_FC1 = "linear_fc1.weight"  # the dense MLP's and each expert's (expert tensor parallelism = TP); the router is whole
 
 
 def tp_split_dim(mg_name: str) -> int | None:

@@ -57,15 +57,20 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _fused_storage(config: ModelSpec) -> tuple[dict[str, Tensor], list[tuple[Tensor, Tensor | None, Tensor]]]:
-    """Zeroed fp32 parameters by Hugging Face name, where each layer's q/k/v (weights and biases) and gate/up
-    weights are row views of one tensor; also those fused tensors per layer ``(qkv_w, qkv_b, gate_up_w)``.
+Fused = tuple[Tensor, Tensor | None, list[tuple[Tensor, Tensor]]]
+"""One layer's fused tensors: ``qkv_w``, ``qkv_b`` and its MLPs as ``(gate_up_w, down_w)``: one for a dense layer,
+one per expert (in expert order) for an MoE layer."""
+
+
+def _fused_storage(config: ModelSpec) -> tuple[dict[str, Tensor], list[Fused]]:
+    """Zeroed fp32 parameters by Hugging Face name, where each layer's q/k/v (weights and biases) and each MLP's
+    gate/up weights are row views of one tensor; also those fused tensors per layer (:data:`Fused`).
 
     The names stay the unit of loading and of weight updates (a view's ``copy_`` writes into the fused tensor).
     """
     shapes = hf_shapes(config)
     params: dict[str, Tensor] = {}
-    fused: list[tuple[Tensor, Tensor | None, Tensor]] = []
+    fused: list[Fused] = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         qkv = [p + f"self_attn.{x}_proj" for x in "qkv"]
@@ -74,9 +79,15 @@ def _fused_storage(config: ModelSpec) -> tuple[dict[str, Tensor], list[tuple[Ten
         qkv_b = None
         if config.attention_bias:
             qkv_b = _rows_of(params, torch.zeros(qkv_w.shape[0]), [n + ".bias" for n in qkv], shapes)
-        gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-        gate_up_w = _rows_of(params, torch.zeros(2 * config.intermediate_size, config.hidden_size), gate_up, shapes)
-        fused.append((qkv_w, qkv_b, gate_up_w))
+        mlps = [f"{p}mlp.experts.{j}." for j in range(config.num_experts)] if config.is_moe else [p + "mlp."]
+        width = config.moe_intermediate_size if config.is_moe else config.intermediate_size
+        pairs = []
+        for m in mlps:
+            names = [m + "gate_proj.weight", m + "up_proj.weight"]
+            gate_up = _rows_of(params, torch.zeros(2 * width, config.hidden_size), names, shapes)
+            params[m + "down_proj.weight"] = torch.zeros(shapes[m + "down_proj.weight"])
+            pairs.append((gate_up, params[m + "down_proj.weight"]))
+        fused.append((qkv_w, qkv_b, pairs))
     for name, shape in shapes.items():
         if name not in params:
             params[name] = torch.zeros(shape)
@@ -132,7 +143,7 @@ class DecoderModel:
         n, nq, nkv = ids.shape[0], c.num_attention_heads, c.num_key_value_heads
         x = F.embedding(ids, self.params["model.embed_tokens.weight"])
         cos, sin = self._rope(positions)
-        for i, (qkv_w, qkv_b, gate_up_w) in enumerate(self._fused):
+        for i, (qkv_w, qkv_b, mlps) in enumerate(self._fused):
             p = f"model.layers.{i}."
             h = rms_norm(x, self.params[p + "input_layernorm.weight"], c.rms_norm_eps)
             # q, k and v in one matmul, and RoPE on q and k together: at decode batch sizes a step is mostly
@@ -148,10 +159,24 @@ class DecoderModel:
             a = attend(i, qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :])
             x = x + F.linear(a, self.params[p + "self_attn.o_proj.weight"], self._p(p + "self_attn.o_proj.bias"))
             h = rms_norm(x, self.params[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
-            # silu: ModelSpec admits no other activation
-            x = x + F.linear(F.silu(gate) * up, self.params[p + "mlp.down_proj.weight"])
+            x = x + (self._moe(i, h, mlps) if c.is_moe else _mlp(h, *mlps[0]))
         return rms_norm(x, self.params["model.norm.weight"], c.rms_norm_eps)
+
+    def _moe(self, layer: int, h: Tensor, experts: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Qwen3-MoE's sparse block: softmax router (fp32), top-k experts per token (renormalised with
+        ``norm_topk_prob``), each expert's output weighted by its probability and summed."""
+        c = self.config
+        logits = F.linear(h, self.params[f"model.layers.{layer}.mlp.gate.weight"])
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(h)
+        for j, (gate_up_w, down_w) in enumerate(experts):
+            tokens, rank = torch.where(chosen == j)
+            if tokens.numel():
+                out.index_add_(0, tokens, _mlp(h[tokens], gate_up_w, down_w) * weights[tokens, rank, None])
+        return out
 
     @torch.inference_mode()
     def forward_full(self, ids: Tensor) -> Tensor:
@@ -279,6 +304,12 @@ class DecoderModel:
 
         hidden = self._layers(tokens, positions, attend)
         return F.linear(hidden, self.lm_head)
+
+
+def _mlp(h: Tensor, gate_up_w: Tensor, down_w: Tensor) -> Tensor:
+    """A gated SiLU MLP (ModelSpec admits no other activation) with gate and up in one matmul."""
+    gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down_w)
 
 
 def _decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor | None) -> Tensor:
