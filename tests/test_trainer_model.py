@@ -43,6 +43,10 @@ def _save_tiny(family: str, path: Path) -> Path:
     elif family == "qwen3":  # a head_dim that is not hidden / heads, as in the released Qwen3 models
         cfg = transformers.Qwen3Config(**TINY, head_dim=24, vocab_size=112, tie_word_embeddings=False)
         model = transformers.Qwen3ForCausalLM(cfg)
+    elif family == "qwen3_moe":  # the top-k probabilities as the full softmax gives them (no renormalisation)
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False)
+        cfg = transformers.Qwen3MoeConfig(**TINY, **moe, head_dim=24, vocab_size=112, tie_word_embeddings=False)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
     else:
         cfg = transformers.LlamaConfig(**TINY, vocab_size=96, tie_word_embeddings=False, rope_theta=50000.0)
         model = transformers.LlamaForCausalLM(cfg)
@@ -55,7 +59,7 @@ def _save_tiny(family: str, path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3", "qwen3_moe"])
 def hf_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save_tiny(request.param, tmp_path_factory.mktemp(request.param))
 
@@ -198,7 +202,7 @@ if torch.distributed.get_rank() == 0:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hf_dir", ["qwen2"], indirect=True)
+@pytest.mark.parametrize("hf_dir", ["qwen2", "qwen3"], indirect=True)
 def test_tensor_parallel_2_matches_hf(hf_dir: Path, tmp_path: Path) -> None:
     """TP=2 under torchrun (2 gloo ranks): shard load, vocab-parallel log-probs, gathered export."""
     import os
@@ -230,3 +234,13 @@ def test_tensor_parallel_2_matches_hf(hf_dir: Path, tmp_path: Path) -> None:
     ref_logp, ref_entropy = _hf_logprobs(_hf_model(hf_dir), ids)
     assert (out["logp"] - ref_logp).abs().max().item() < TOL
     assert (out["entropy"] - ref_entropy).abs().max().item() < TOL
+
+
+def test_moe_under_tensor_parallelism_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trainer.model as tm
+
+    spec = ModelSpec("qwen3_moe", 64, 1, 4, 2, 176, 96, head_dim=24, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=32)  # fmt: skip
+    monkeypatch.setattr(tm, "tp_rank_and_size", lambda: (0, 2))
+    with pytest.raises(ValueError, match="trains with trainer.tp=1 only"):
+        tm.make_transformer_config(spec)

@@ -24,6 +24,7 @@ come back on the inputs' device. The CPU path is unchanged.
 from __future__ import annotations
 
 import shutil
+import types
 from pathlib import Path
 
 import torch
@@ -110,6 +111,10 @@ def make_transformer_config(spec: ModelSpec, device: str = "cpu", bf16: bool = F
     ranks (every rank's loss is already divided by the global token count).
     """
     check_megatron_layout(spec)  # a spec built by hand, not read by load_hf_dir, is checked here
+    tp = tp_rank_and_size()[1]
+    if spec.is_moe and tp > 1:
+        # megatron trains an MoE layer under TP only with sequence parallelism, which this trainer does not set up
+        raise ValueError(f"a mixture-of-experts model trains with trainer.tp=1 only (got {tp}); use dp for more ranks")
     on_cuda = device == "cuda"
     return TransformerConfig(
         num_layers=spec.num_hidden_layers,
@@ -138,19 +143,41 @@ def make_transformer_config(spec: ModelSpec, device: str = "cpu", bf16: bool = F
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         calculate_per_token_loss=on_cuda,
-        tensor_model_parallel_size=tp_rank_and_size()[1],
+        tensor_model_parallel_size=tp,
+        **_moe_config(spec),
     )
 
 
-def cpu_layer_spec(qk_norm: bool = False) -> ModuleSpec:
-    """megatron's local GPT layer spec (RMSNorm; per-head q/k RMSNorm with ``qk_norm``) with
-    :class:`SDPACoreAttention` as core attention."""
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+def _moe_config(spec: ModelSpec) -> dict[str, object]:
+    """Megatron's MoE settings for a Qwen3-MoE spec (nothing for a dense one): softmax router in fp32, top-k; the
+    softmax before the top-k keeps the full softmax's probabilities, after it renormalises them over the chosen
+    experts (``norm_topk_prob``). No load-balancing loss (RL and distillation do not add one), the all-gather
+    dispatcher (the all-to-all one needs CUDA streams), no grouped GEMM (each expert is a plain MLP)."""
+    if not spec.is_moe:
+        return {}
+    return {
+        "num_moe_experts": spec.num_experts,
+        "moe_router_topk": spec.num_experts_per_tok,
+        "moe_ffn_hidden_size": spec.moe_intermediate_size,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not spec.norm_topk_prob,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+    }
+
+
+def cpu_layer_spec(qk_norm: bool = False, num_experts: int | None = None) -> ModuleSpec:
+    """megatron's local GPT layer spec (RMSNorm; per-head q/k RMSNorm with ``qk_norm``; routed experts as a
+    ``SequentialMLP`` with ``num_experts``) with :class:`SDPACoreAttention` as core attention."""
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, num_experts=num_experts)
     layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return layer_spec
 
 
-def cuda_layer_spec(kind: str = "auto", qk_norm: bool = False) -> ModuleSpec:
+def cuda_layer_spec(kind: str = "auto", qk_norm: bool = False, num_experts: int | None = None) -> ModuleSpec:
     """The GPU layer spec: ``te`` (TransformerEngine), ``local`` (megatron's stock local spec), ``sdpa`` (the CPU spec)
     or ``auto`` (``te`` when transformer_engine imports, else ``local``)."""
     if kind == "auto":
@@ -163,11 +190,11 @@ def cuda_layer_spec(kind: str = "auto", qk_norm: bool = False) -> ModuleSpec:
     if kind == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, num_experts=num_experts)
     if kind == "local":
-        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, num_experts=num_experts)
     if kind == "sdpa":
-        return cpu_layer_spec(qk_norm)
+        return cpu_layer_spec(qk_norm, num_experts)
     raise ValueError(f"unknown layer spec {kind!r}; choose auto, te, local or sdpa")
 
 
@@ -188,7 +215,7 @@ def build_gpt_model(
     config = make_transformer_config(spec)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=cpu_layer_spec(spec.qk_norm),
+        transformer_layer_spec=cpu_layer_spec(spec.qk_norm, spec.num_experts or None),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
@@ -203,7 +230,22 @@ def build_gpt_model(
         use_cpu_initialization=True,
         cp_group=model.pg_collection.cp,
     )
+    _route_on_cpu(model)
     return model
+
+
+def _route_on_cpu(model: torch.nn.Module) -> None:
+    """megatron's MoE router moves its weight to the current CUDA device in ``gating`` (and then uses a
+    TransformerEngine GEMM); on CPU each router gets a plain fp32 linear as its gating instead."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def gating(router: TopKRouter, hidden: Tensor) -> Tensor:
+        bias = None if router.bias is None else router.bias.float()
+        return F.linear(hidden.float(), router.weight.float(), bias)
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.gating = types.MethodType(gating, module)  # type: ignore[method-assign]
 
 
 def _build_cuda_model(spec: ModelSpec, seed: int, bf16: bool, layer_spec: str) -> torch.nn.Module:
@@ -213,7 +255,7 @@ def _build_cuda_model(spec: ModelSpec, seed: int, bf16: bool, layer_spec: str) -
     config = make_transformer_config(spec, device="cuda", bf16=bf16)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=cuda_layer_spec(layer_spec, spec.qk_norm),
+        transformer_layer_spec=cuda_layer_spec(layer_spec, spec.qk_norm, spec.num_experts or None),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
