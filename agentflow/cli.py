@@ -27,12 +27,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_cmd", required=True)
-    init = model.add_parser("init", help="create a small random Qwen2/Qwen3 HF model directory with a local tokenizer")
+    init = model.add_parser(
+        "init", help="create a small random Qwen2/Qwen3/Qwen3-MoE model directory with a local tokenizer"
+    )
     init.add_argument("out_dir")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--hidden-size", type=int, default=256)
     init.add_argument("--layers", type=int, default=4)
-    init.add_argument("--arch", choices=["qwen2", "qwen3"], default="qwen2")
+    init.add_argument("--arch", choices=["qwen2", "qwen3", "qwen3_moe"], default="qwen2")
     init.add_argument("--env", action="append", default=[], help="env id whose text joins the tokenizer corpus")
 
     train = sub.add_parser("train", help="run an RL job (warm-up SFT, then RL) from a YAML config")

@@ -30,9 +30,11 @@ class ModelConfig(Section):
     path: str = "runs/models/demo-init"
     """Local Hugging Face model directory (config.json, *.safetensors, tokenizer.json)."""
     init_if_missing: bool = True
-    """Create a small random Qwen2 model at ``path`` (``agentflow model init``) when the directory does not exist."""
+    """Create a small random model at ``path`` (``agentflow model init``) when the directory does not exist."""
     init_seed: int = 0
     """Seed of the model created by ``init_if_missing``."""
+    init_arch: Literal["qwen2", "qwen3", "qwen3_moe"] = "qwen2"
+    """Architecture of the model created by ``init_if_missing`` (``qwen3_moe``: 8 experts, top-2)."""
 
 
 class EnvConfig(Section):

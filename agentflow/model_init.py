@@ -34,14 +34,22 @@ class ModelInitConfig:
     tie_word_embeddings: bool = True
     seed: int = 0
     arch: str = "qwen2"
-    """``qwen2`` (q/k/v biases) or ``qwen3`` (no biases; per-head q/k RMSNorm)."""
+    """``qwen2`` (q/k/v biases), ``qwen3`` (no biases; per-head q/k RMSNorm) or ``qwen3_moe`` (qwen3 with routed
+    experts in place of every MLP)."""
+    num_experts: int = 8
+    """Experts per layer (``qwen3_moe``)."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (``qwen3_moe``)."""
+    moe_intermediate_size: int = 344
+    """Each expert's MLP width (``qwen3_moe``; top-2 of 344 is as wide as the dense default's 688)."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHES:
             raise ValueError(f"unknown arch {self.arch!r}; choose from {list(ARCHES)}")
 
 
-ARCHES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 _WORDS = (
@@ -162,11 +170,20 @@ def _init_weights(cfg: ModelInitConfig) -> dict[str, torch.Tensor]:
             p + "input_layernorm.weight": torch.ones(h),
             p + "post_attention_layernorm.weight": torch.ones(h),
         }
-        if cfg.arch == "qwen3":  # the same random draws as qwen2; no biases, and the per-head q/k norms
+        if cfg.arch != "qwen2":  # the same random draws as qwen2; no biases, and the per-head q/k norms
             for x in "qkv":
                 del state[p + f"self_attn.{x}_proj.bias"]
             state[p + "self_attn.q_norm.weight"] = torch.ones(head_dim)
             state[p + "self_attn.k_norm.weight"] = torch.ones(head_dim)
+        if cfg.arch == "qwen3_moe":  # a router and experts in place of the dense MLP
+            for x in ("gate_proj", "up_proj", "down_proj"):
+                del state[p + f"mlp.{x}.weight"]
+            state[p + "mlp.gate.weight"] = normal(cfg.num_experts, h)
+            m = cfg.moe_intermediate_size
+            for j in range(cfg.num_experts):
+                e = f"{p}mlp.experts.{j}."
+                state |= {e + "gate_proj.weight": normal(m, h), e + "up_proj.weight": normal(m, h),
+                          e + "down_proj.weight": normal(h, m)}  # fmt: skip
     if not cfg.tie_word_embeddings:
         state["lm_head.weight"] = normal(cfg.vocab_size, h)
     return state
@@ -176,7 +193,12 @@ def hf_config(cfg: ModelInitConfig, eos_id: int, bos_id: int) -> dict:
     fields = asdict(cfg)
     fields.pop("seed")
     arch = fields.pop("arch")
-    extra = {"head_dim": cfg.hidden_size // cfg.num_attention_heads, "attention_bias": False} if arch == "qwen3" else {}
+    moe = {k: fields.pop(k) for k in _MOE_FIELDS}
+    extra: dict[str, object] = {}
+    if arch != "qwen2":
+        extra = {"head_dim": cfg.hidden_size // cfg.num_attention_heads, "attention_bias": False}
+    if arch == "qwen3_moe":
+        extra |= {**moe, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
     return {
         "architectures": [ARCHES[arch]],
         "model_type": arch,

@@ -152,15 +152,18 @@ def test_batched_prefill_matches_full_forward(hf_pair) -> None:
         model.prefill_batch(cache, [0], [seqs[1]], [25])
 
 
-def test_model_init_qwen3_is_a_transformers_qwen3(tmp_path: Path) -> None:
-    from agentflow.model_init import ModelInitConfig, init_model
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_model_init_qwen3_is_a_transformers_qwen3(tmp_path: Path, arch: str) -> None:
+    from agentflow.model_init import ARCHES, ModelInitConfig, init_model
 
-    cfg = ModelInitConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=48, vocab_size=384, arch="qwen3")
+    cfg = ModelInitConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=48, vocab_size=384, arch=arch,
+                          num_experts=4, moe_intermediate_size=16)  # fmt: skip
     path = init_model(tmp_path / "q3", cfg)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    assert type(hf).__name__ == ARCHES[arch]
     ours = load_hf_dir(path)
     assert ours.config.qk_norm and not ours.config.attention_bias
+    assert ours.config.num_experts == (4 if arch == "qwen3_moe" else 0)
     ids = torch.arange(3, 40)
     with torch.no_grad():
         ref = hf(input_ids=ids[None]).logits[0]

@@ -109,6 +109,22 @@ def test_env_failure_marks_error_not_zero_reward(tiny_model):
 
 
 def test_engine_matches_trainer_after_weight_sync(tiny_model):
+    _check_weight_sync(tiny_model)
+
+
+def test_moe_engine_matches_trainer_after_weight_sync_and_runs_a_job(tmp_path_factory, tmp_path):
+    """A Qwen3-MoE model through the lap: behaviour log-probs, a train step, the synced experts, a 2-step job."""
+    from agentflow.recipes.rl import run_job
+
+    moe = ModelInitConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, arch="qwen3_moe",
+                          num_experts=4, moe_intermediate_size=48)  # fmt: skip
+    model = init_model(tmp_path_factory.mktemp("moe"), moe)
+    _check_weight_sync(model)
+    summary = run_job(_job_cfg(model, tmp_path, "async", steps=2), log=lambda *_: None)
+    assert summary["rl_steps"] == 2 and summary["errors"] == 0
+
+
+def _check_weight_sync(tiny_model):
     from agentflow.controller import to_samples
     from trainer.megatron_trainer import MegatronTrainer
     from trainer.types import TrainerSettings

@@ -28,7 +28,8 @@ def ensure_model(cfg: JobConfig) -> Path:
         raise JobError(f"model directory not found: {path} (create one with `agentflow model init {path}`)")
     from agentflow.model_init import ModelInitConfig, init_model
 
-    return init_model(path, ModelInitConfig(seed=cfg.model.init_seed), env_ids=[cfg.env.id])
+    init = ModelInitConfig(seed=cfg.model.init_seed, arch=cfg.model.init_arch)
+    return init_model(path, init, env_ids=[cfg.env.id])
 
 
 def begin(cfg: JobConfig, recipe: str, resume: bool = False) -> None:
