@@ -44,6 +44,10 @@ SERVER_LIMITS = Limits(memory_mb=4096, cpu_s=3600, max_procs=64, sandbox_memory_
 """Sandbox limits of a stdio server: it lives as long as the env, so its CPU-time cap is an hour."""
 
 
+CLOSE_TIMEOUT_S = 10.0
+"""How long closing waits for the session to end (stdio: the server's grace period and kill included)."""
+
+
 class MCPError(EnvError):
     """An MCP server could not be reached, listed or called (the message names the server and the cause)."""
 
@@ -146,6 +150,8 @@ class MCPToolSet:
         self._owner: Future[None] | None = None
         self._closed = False
         self._broken = False
+        self._began = threading.Event()  # the session's owner task started running
+        self._ended = threading.Event()  # ... and finished (its shutdown included)
         self._launched: Launched | None = None  # a stdio server, once started
         try:
             self._open()
@@ -169,8 +175,11 @@ class MCPToolSet:
         from mcp import Client
 
         self._stop = asyncio.Event()
+        self._began.set()
         try:
-            async with Client(self._transport()) as client:
+            # the transport is entered here, not by the Client: a Client whose start fails or is cancelled may leave
+            # it unclosed (the server process alive until garbage collection)
+            async with self._transport() as streams, Client(_Opened(streams)) as client:
                 self._client = client
                 ready.set_result(await self._list_tools(client))
                 await self._stop.wait()
@@ -183,6 +192,7 @@ class MCPToolSet:
                 raise
         finally:
             self._client = None
+            self._ended.set()
 
     @contextlib.asynccontextmanager
     async def _transport(self) -> AsyncIterator[Any]:
@@ -289,12 +299,30 @@ class MCPToolSet:
         if self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         if self._owner is not None:
-            with contextlib.suppress(Exception):
-                self._owner.result(15)
+            # a session that is up ends at the stop; one still starting (a server that never answers) is cancelled,
+            # which runs the transport's shutdown all the same (the stdio server and its children are killed)
+            if self._client is None:
+                self._owner.cancel()
+            if self._began.is_set() and not self._ended.wait(CLOSE_TIMEOUT_S):
+                self._owner.cancel()
+                self._ended.wait(CLOSE_TIMEOUT_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+class _Opened:
+    """Streams already opened, as the transport ``mcp.Client`` takes (an async context manager yielding them)."""
+
+    def __init__(self, streams: Any) -> None:
+        self._streams = streams
+
+    async def __aenter__(self) -> Any:
+        return self._streams
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
 
 
 def _describe(e: BaseException) -> str:

@@ -236,3 +236,13 @@ def test_the_mcp_env_passes_conformance_and_the_fuzz(stdio_env: AddEnv) -> None:
     check_agent_env(stdio_env, actions=[tool_action("add", {"a": 1, "b": 2}), answer_action("3")])
     report = fuzz_env(stdio_env, 120, seed=11)
     assert report.ok, report.failures[:3]
+
+
+def test_a_server_that_never_answers_times_out_and_is_killed() -> None:
+    marker = "314.159"  # only this test runs a `sleep` this long
+    silent = MCPServer(command=("sleep", marker), sandbox=None, connect_timeout_s=1.5)
+    t0 = time.monotonic()
+    with pytest.raises(MCPError, match="did not start and list its tools within 1.5 s"):
+        MCPToolSet(silent)
+    assert time.monotonic() - t0 < 15
+    assert _gone(f"sleep {marker}")
