@@ -173,6 +173,7 @@ def to_samples(groups: list[Group], drop_uniform: bool = False, model_dir: str |
             for i in trained:
                 seg = t.segments[i]
                 sample = Sample(seg.token_ids, seg.loss_mask, seg.logprobs, reward, g.id, f"{t.id}/{i}")
+                sample.routes = [(int(p), r) for p, r in seg.routes] or None  # journals give lists, not tuples
                 if seg.constraints:
                     sample.vocab_masks = _vocab_masks(seg, model_dir, f"{t.id}/{i}")
                 turns = [turn for turn in t.turns if turn.segment == i]

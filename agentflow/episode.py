@@ -89,6 +89,7 @@ async def _play(engine, tokenizer, env, spec, sampling, max_len, traj: Trajector
         gen_s += time.perf_counter() - t
         start = len(seg.token_ids)
         seg.append_generated(res.output_ids, res.logprobs, res.versions)
+        seg.routes.extend(res.routed_experts or ())
         if res.finish_reason == "abort":
             traj.status, traj.reward = "aborted", None
             break

@@ -69,6 +69,9 @@ class GenerateResult:
     cached_tokens: int = 0
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """When ``SamplingParams.top_logprobs > 0``: the best ``(id, log-prob)`` alternatives at each output token."""
+    routed_experts: list[tuple[int, list[list[int]]]] | None = None
+    """Mixture-of-experts models on the embedded engine: ``(position, experts per layer)`` for every input position
+    this request ran through the model (the uncached prompt, then each decoded token as it was fed back)."""
 
 
 @dataclass
@@ -206,6 +209,9 @@ class Segment:
     constraints: list[tuple[int, int, str]] = field(default_factory=list)
     """``(start, end, grammar)``: the tokens in ``[start, end)`` were sampled under that Lark grammar; the trainer
     masks its own logits there by replaying it (:mod:`agentflow.structured`)."""
+    routes: list[tuple[int, list[list[int]]]] = field(default_factory=list)
+    """Mixture-of-experts models: ``(position, experts per layer)`` the engine routed each position it ran to
+    (``GenerateResult.routed_experts``, gathered over the segment's requests; ``trainer.routing_replay``)."""
 
     def append_context(self, ids: list[int]) -> None:
         """Append tokens the model did not generate (prompt or tool output)."""

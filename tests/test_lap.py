@@ -120,8 +120,22 @@ def test_moe_engine_matches_trainer_after_weight_sync_and_runs_a_job(tmp_path_fa
                           num_experts=4, moe_intermediate_size=48)  # fmt: skip
     model = init_model(tmp_path_factory.mktemp("moe"), moe)
     _check_weight_sync(model)
-    summary = run_job(_job_cfg(model, tmp_path, "async", steps=2), log=lambda *_: None)
+    cfg = _job_cfg(model, tmp_path, "async", steps=2)
+    summary = run_job(load_config(None, [*_overrides(cfg), "trainer.routing_replay=true"]), log=lambda *_: None)
     assert summary["rl_steps"] == 2 and summary["errors"] == 0
+    steps = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    mismatch = [m["train/routing_mismatch"] for m in steps if "train/routing_mismatch" in m]
+    assert mismatch and max(mismatch) < 0.05  # stale versions (async) may route a few tokens differently
+    traj = Journal.read(tmp_path / "async" / "journal.jsonl")[0]
+    seg = traj.segments[0]
+    routed = {p for p, _ in seg.routes}  # every position fed to the model, cached prefixes included
+    last = traj.turns[-1].span  # the final sampled token is never fed back
+    assert routed == set(range(last[1] - 1))
+    assert all(len(r) == 2 and len(r[0]) == 2 for _, r in seg.routes)  # 2 layers x top-2
+
+
+def _overrides(cfg) -> list[str]:
+    return [f"{k}={v}" for k, v in _flat(cfg.model_dump(mode="json")).items() if not k.startswith("data")]
 
 
 def _check_weight_sync(tiny_model):

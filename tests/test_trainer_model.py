@@ -244,3 +244,41 @@ def test_moe_under_tensor_parallelism_is_refused(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(tm, "tp_rank_and_size", lambda: (0, 2))
     with pytest.raises(ValueError, match="trains with trainer.tp=1 only"):
         tm.make_transformer_config(spec)
+
+
+@pytest.mark.parametrize("hf_dir", ["qwen3_moe"], indirect=True)
+def test_routing_replay(hf_dir: Path) -> None:
+    """The engine's recorded experts, replayed: its own choice changes nothing; another choice is followed (and
+    counted as a mismatch), with the gradient still reaching the router."""
+    from agentflow.engine.qwen2 import load_hf_dir as load_engine
+    from trainer import moe
+
+    spec, _, model = _loaded(hf_dir)
+    ids = _ids(spec, b=2, s=9)
+    engine = load_engine(hf_dir)
+    rows = []
+    for row in ids:
+        engine.route_log = []
+        engine.forward_full(row)
+        rows.append(torch.stack(engine.route_log, dim=1).long())  # [s, layers, k]
+    engine.route_log = None
+    routes = torch.stack(rows)  # [b, s, layers, k]
+    with torch.no_grad():
+        plain = token_logprobs(model, ids)
+    moe.take_mismatch(model)
+    with torch.no_grad(), moe.replaying(model, moe.token_order(routes), replay=True):
+        same = token_logprobs(model, ids)
+    assert (same - plain).abs().max().item() < 1e-5
+    assert moe.take_mismatch(model) == (0, 2 * 9 * spec.num_hidden_layers)
+    other = (routes + 1) % spec.num_experts  # a different pair of experts for every token and layer
+    with moe.replaying(model, moe.token_order(other), replay=True):
+        forced = token_logprobs(model, ids)
+        forced.sum().backward()
+    assert (forced.detach() - plain).abs().max().item() > 1e-3
+    differing, compared = moe.take_mismatch(model)
+    assert compared == 2 * 9 * spec.num_hidden_layers and differing == compared
+    router = moe.routers(model)[0]
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    with torch.no_grad(), moe.replaying(model, moe.token_order(other), replay=False):  # measured, not replayed
+        again = token_logprobs(model, ids)
+    assert (again - plain).abs().max().item() < 1e-6 and moe.take_mismatch(model)[0] == compared

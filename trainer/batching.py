@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trainer.moe import collate_routes
 from trainer.types import Sample
 
 
@@ -122,6 +123,8 @@ class MicroBatch:
     """The rows as one padding-free stream, when the micro-batch was built packed."""
     teachers: list[str] = field(default_factory=list)
     """Each row's ``Sample.teacher`` (the full-vocabulary distillation terms)."""
+    routes: torch.Tensor | None = None
+    """``[b, s, layers, k]`` experts the engine routed each input token to (-1: not recorded), when a row has any."""
 
     def attention_mask(self) -> torch.Tensor:
         """[b, s] ones over each row's real tokens, zeros over right padding."""
@@ -210,6 +213,7 @@ def _collate(samples, rows, advantages, masks, old, pad_id) -> MicroBatch:
         ref_logprobs=arrays["ref"] if with_ref else None,
         vocab_masks=vocab_masks,
         teachers=[samples[i].teacher for i in rows],
+        routes=collate_routes([samples[i].routes for i in rows], s),
         **teacher,
     )
 

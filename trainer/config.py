@@ -52,6 +52,11 @@ class OptimFields(_Section):
     holds a few ``[chunk, vocab]`` tensors of the student and the teacher, recomputed chunk by chunk in backward."""
     seed: int = 0
     """Trainer seed."""
+    routing_replay: bool = False
+    """Mixture-of-experts models: route each token the embedded engine routed to the experts it chose (recorded
+    with the trajectory) instead of the router's own choice, so training sees the experts sampling saw
+    (``trainer/moe.py``). With or without it, ``train/routing_mismatch`` reports the share of (token, layer) routings
+    where the trainer's own top-k differs from the engine's."""
 
 
 class LossFields(_Section):

@@ -10,6 +10,7 @@ and metrics.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer import registry
+from trainer import moe, registry
 from trainer.batching import MicroBatch, collate_vocab_masks, make_micro_batches
 from trainer.critic import Critic, GAEPlan, critic_rows
 from trainer.dist import dp_rank_and_size, init_distributed
@@ -170,6 +171,10 @@ class MegatronTrainer:
         )
         if isinstance(plan, GAEPlan):
             metrics.update(plan.stats)
+        if self.spec.is_moe:
+            differing, compared = (self._dp_sum(float(n)) for n in moe.take_mismatch(self.model))
+            if compared:
+                metrics["routing_mismatch"] = differing / compared
         return metrics
 
     def _ppo_critic(self) -> Critic:
@@ -191,8 +196,9 @@ class MegatronTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for mb in batches:
-            for k, v in self._micro_step(mb, cfg, denom, seqs, single).items():
-                sums[k] = sums.get(k, 0.0) + v
+            with self._routes(mb):
+                for k, v in self._micro_step(mb, cfg, denom, seqs, single).items():
+                    sums[k] = sums.get(k, 0.0) + v
         self._dp_allreduce_grads()
         sums = {k: self._dp_sum(sums[k]) for k in sorted(sums)}  # same order on every DP rank
         grad_norm = self.optimizer.clip_grad_norm_(self.settings.grad_clip)  # global norm under TP (and on GPU)
@@ -211,12 +217,21 @@ class MegatronTrainer:
         out: list[list[float]] = [[] for _ in samples]
         zeros = [0.0] * len(samples)
         for mb in self._micro_batches(samples, zeros):
-            logp = token_logprobs(
-                self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature, mb.vocab_masks, mb.packing
-            )
+            with self._routes(mb):
+                logp = token_logprobs(
+                    self.model, mb.input_ids, mb.attention_mask(), self.settings.temperature, mb.vocab_masks, mb.packing
+                )
             for r, i in enumerate(mb.rows):
                 out[i] = [0.0] + logp[r, : int(mb.lengths[r]) - 1].tolist()
         return out
+
+    def _routes(self, mb: MicroBatch) -> contextlib.AbstractContextManager[None]:
+        """The engine's expert choices for ``mb``'s tokens (MoE): replayed with ``routing_replay``, else only compared
+        with the router's own (``train/routing_mismatch``)."""
+        if mb.routes is None or not self.spec.is_moe:
+            return contextlib.nullcontext()
+        routes = moe.token_order(mb.routes, mb.packing, mb.lengths)
+        return moe.replaying(self.model, routes, self.settings.routing_replay)
 
     def _micro_batches(
         self, samples: list[Sample], adv: list, masks: list | None = None, old: list | None = None

@@ -24,7 +24,6 @@ come back on the inputs' device. The CPU path is unchanged.
 from __future__ import annotations
 
 import shutil
-import types
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors.torch import save_file
 from torch import Tensor
 
+from trainer import moe
 from trainer.attention import SDPACoreAttention
 from trainer.batching import Packing, VocabMasks
 from trainer.dist import init_distributed_cpu, is_rank_zero, tp_rank_and_size
@@ -230,22 +230,8 @@ def build_gpt_model(
         use_cpu_initialization=True,
         cp_group=model.pg_collection.cp,
     )
-    _route_on_cpu(model)
+    moe.install(model, on_cpu=True)
     return model
-
-
-def _route_on_cpu(model: torch.nn.Module) -> None:
-    """megatron's MoE router moves its weight to the current CUDA device in ``gating`` (and then uses a
-    TransformerEngine GEMM); on CPU each router gets a plain fp32 linear as its gating instead."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    def gating(router: TopKRouter, hidden: Tensor) -> Tensor:
-        bias = None if router.bias is None else router.bias.float()
-        return F.linear(hidden.float(), router.weight.float(), bias)
-
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-            module.gating = types.MethodType(gating, module)  # type: ignore[method-assign]
 
 
 def _build_cuda_model(spec: ModelSpec, seed: int, bf16: bool, layer_spec: str) -> torch.nn.Module:
@@ -272,6 +258,7 @@ def _build_cuda_model(spec: ModelSpec, seed: int, bf16: bool, layer_spec: str) -
             cp_group=model.pg_collection.cp,
         )
     model = model.cuda(torch.cuda.current_device())
+    moe.install(model, on_cpu=False)
     if bf16:
         from megatron.core.transformer.module import Float16Module
 

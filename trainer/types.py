@@ -47,6 +47,9 @@ class Sample:
     """Tokens sampled from a restricted vocabulary (structured output): ``(position, bitmask)``, the bitmask as
     little-endian int32 words (bit ``j`` of word ``i`` allows token ``32 * i + j``). The trainer restricts its
     logits at those positions the same way, so its log-probs are of the distribution the token was drawn from."""
+    routes: list[tuple[int, list[list[int]]]] | None = None
+    """Mixture-of-experts models: ``(position, experts per layer)`` for the positions the engine ran, the experts
+    its router chose for that input token in each layer (``trainer.routing_replay``)."""
     norm_tokens: int = 0
     """If > 0: the model-token count the batch's loss is averaged over, when it exceeds the rows' own (the
     controller counts groups it left out for having zero advantage, so a batch with little signal takes a small

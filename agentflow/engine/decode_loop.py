@@ -50,6 +50,8 @@ class Request:
     rules: RequestRules | None = None
     """Grammar and stop strings (None: plain sampling)."""
     top: list[list[tuple[int, float]]] | None = None
+    routes: list[tuple[int, list[list[int]]]] | None = None
+    """MoE models: ``(position, experts per layer)`` of each position this request ran (see ``GenerateResult``)."""
 
     def result(self, reason: FinishReason) -> GenerateResult:
         return GenerateResult(
@@ -61,6 +63,7 @@ class Request:
             prompt_tokens=len(self.prompt),
             cached_tokens=self.cache_hit,
             top_logprobs=[list(t) for t in self.top] if self.top is not None else None,
+            routed_experts=list(self.routes) if self.routes is not None else None,
         )
 
 
@@ -109,6 +112,8 @@ class DecodeLoop:
     _waiting: deque[Request]
     _running: dict[int, Request]
     _idle: OrderedDict[int, list[int]]
+    _slot_routes: dict[int, dict[int, list[list[int]]]]
+    """MoE models: the experts chosen at each position of each slot's cached tokens (a prefix hit reuses them)."""
     _rids: set[str]
     _aborts: set[str]
     _ops: deque[tuple[Callable[[], Any], cf.Future[Any]]]
@@ -186,6 +191,9 @@ class DecodeLoop:
         del self._idle[best]
         req.slot = best
         req.cached = min(hit, len(seq) - 1)  # at least one token goes through the model for its logits
+        if self.model.config.is_moe and req.cached:  # the cached positions' experts, chosen when they were computed
+            known = self._slot_routes.get(best, {})
+            req.routes = (req.routes or []) + [(p, known[p]) for p in range(req.cached) if p in known]
         if req.cached > 0:
             self._stats["prefix_hits"] += 1
             self._stats["prefix_tokens_reused"] += req.cached
@@ -197,7 +205,9 @@ class DecodeLoop:
         seqs = [r.prompt + r.output for r in reqs]
         chunks = [torch.tensor(seq[r.cached :], dtype=torch.long) for r, seq in zip(reqs, seqs, strict=True)]
         t0 = time.perf_counter()
+        self._start_routes()
         logits = self.model.prefill_batch(self.cache, [r.slot for r in reqs], chunks, [r.cached for r in reqs])
+        self._keep_routes(reqs, [r.cached for r in reqs], [len(c) for c in chunks])
         self._stats["busy_seconds"] += time.perf_counter() - t0
         self._stats["prefills"] += len(reqs)
         self._stats["prefill_tokens"] += sum(len(c) for c in chunks)
@@ -210,12 +220,33 @@ class DecodeLoop:
         tokens = torch.tensor([r.output[-1] for r in reqs], dtype=torch.long)
         positions = torch.tensor([r.cached for r in reqs], dtype=torch.long)
         t0 = time.perf_counter()
+        self._start_routes()
         logits = self.model.decode(self.cache, slots, tokens, positions)
+        self._keep_routes(reqs, [r.cached for r in reqs], [1] * len(reqs))
         self._stats["busy_seconds"] += time.perf_counter() - t0
         self._stats["decode_steps"] += 1
         for r in reqs:
             r.cached += 1
         self._accept(reqs, logits)
+
+    def _start_routes(self) -> None:
+        if self.model.config.is_moe:
+            self.model.route_log = []
+
+    def _keep_routes(self, reqs: list[Request], starts: list[int], counts: list[int]) -> None:
+        """File the experts each layer chose for this forward's tokens under each request's positions."""
+        log, self.model.route_log = self.model.route_log, None
+        if not log:
+            return
+        chosen = torch.stack(log, dim=1).tolist()  # [tokens, layers, k], the requests' tokens in order
+        offset = 0
+        for req, start, n in zip(reqs, starts, counts, strict=True):
+            req.routes = req.routes if req.routes is not None else []
+            slot = self._slot_routes.setdefault(req.slot if req.slot is not None else -1, {})
+            for j in range(n):
+                req.routes.append((start + j, chosen[offset + j]))
+                slot[start + j] = chosen[offset + j]
+            offset += n
 
     def _accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
         """Sample one token per request from ``logits`` (masked by grammars), stamp it, and finish requests that
@@ -339,6 +370,7 @@ class DecodeLoop:
     def _do_flush(self) -> bool:
         for slot in list(self._idle):
             self._idle[slot] = []
+            self._slot_routes.pop(slot, None)
         return True
 
     def _do_release(self) -> None:

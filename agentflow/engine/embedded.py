@@ -88,6 +88,7 @@ class EmbeddedEngine(DecodeLoop):
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}
         self._idle: OrderedDict[int, list[int]] = OrderedDict((s, []) for s in range(max_slots))
+        self._slot_routes: dict[int, dict[int, list[list[int]]]] = {}
         """Free slots, least recently used first, each with the token ids whose KV it still holds."""
         self._rids: set[str] = set()
         self._aborts: set[str] = set()

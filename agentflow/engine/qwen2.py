@@ -113,6 +113,8 @@ class DecoderModel:
         if problem:
             raise ValueError(problem)
         self.params, self._fused = _fused_storage(config)
+        self.route_log: list[Tensor] | None = None
+        """When a list (MoE models): each MoE layer appends the experts it chose, ``[tokens, k]``, in layer order."""
         self.load_(weights)
         hd = config.kv_channels
         self._inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
@@ -171,6 +173,8 @@ class DecoderModel:
         weights, chosen = torch.topk(probs, c.num_experts_per_tok, dim=-1)
         if c.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.route_log is not None:
+            self.route_log.append(chosen.to(torch.int16))
         out = torch.zeros_like(h)
         for j, (gate_up_w, down_w) in enumerate(experts):
             tokens, rank = torch.where(chosen == j)
