@@ -282,3 +282,15 @@ def test_routing_replay(hf_dir: Path) -> None:
     with torch.no_grad(), moe.replaying(model, moe.token_order(other), replay=False):  # measured, not replayed
         again = token_logprobs(model, ids)
     assert (again - plain).abs().max().item() < 1e-6 and moe.take_mismatch(model)[0] == compared
+    # packed rows (the second one shorter): the routes follow the stream's token order
+    from trainer.batching import pack_rows
+
+    lengths = torch.tensor([9, 6])
+    mask = (torch.arange(9) < lengths[:, None]).long()
+    packing = pack_rows(ids, lengths)
+    with torch.no_grad():
+        with moe.replaying(model, moe.token_order(other), replay=True):
+            padded = token_logprobs(model, ids, mask)
+        with moe.replaying(model, moe.token_order(other, packing, lengths), replay=True):
+            packed = token_logprobs(model, ids, mask, packing=packing)
+    assert (padded - packed).abs().max().item() < 1e-5
