@@ -156,6 +156,9 @@ class GenOptions:
     stream: bool = False
     batch: bool = False
     """Reply with a JSON array (batch input or ``n > 1``)."""
+    return_routed_experts: bool = False
+    """MoE models: ``meta_info.routed_experts`` in the final reply (SGLang's base64 int32 ``[positions, layers,
+    top-k]`` over positions ``[0, prompt + output - 1)``)."""
 
 
 def _is_int(x: Any) -> bool:
@@ -184,6 +187,7 @@ def parse_options(body: Any) -> GenOptions:
         logprob_start_len=_typed(body, "logprob_start_len", _is_int, -1, "int"),
         top_logprobs_num=_typed(body, "top_logprobs_num", _is_int, 0, "int"),
         stream=_typed(body, "stream", lambda x: isinstance(x, bool), False, "bool"),
+        return_routed_experts=_typed(body, "return_routed_experts", lambda x: isinstance(x, bool), False, "bool"),
     )
 
 
@@ -330,6 +334,34 @@ def parse_generate(
     if opts.top_logprobs_num < 0:
         raise error_message(f"top_logprobs_num must be at least 0, got {opts.top_logprobs_num}.")
     return items, opts
+
+
+def encode_routed_experts(routes: list[tuple[int, list[list[int]]]], positions: int, layers: int, k: int) -> str:
+    """SGLang's ``routed_experts``: base64 of int32 ``[positions, layers, k]``, -1 where a position's experts are not
+    known (a prefix this engine reused without recording it)."""
+    import base64
+
+    import numpy as np
+
+    out = np.full((positions, layers, k), -1, dtype="<i4")
+    for pos, chosen in routes:
+        if 0 <= pos < positions:
+            out[pos] = chosen
+    return base64.b64encode(out.tobytes()).decode()
+
+
+def decode_routed_experts(data: str, layers: int, k: int, start: int = 0) -> list[tuple[int, list[list[int]]]]:
+    """``(position, experts per layer)`` from SGLang's base64 ``routed_experts`` (positions from ``start``; ones all
+    -1 are left out)."""
+    import base64
+
+    import numpy as np
+
+    raw = np.frombuffer(base64.b64decode(data), dtype="<i4")
+    if raw.size % (layers * k):
+        raise ValueError(f"routed_experts holds {raw.size} ids, not a multiple of {layers} layers x top-{k}")
+    grid = raw.reshape(-1, layers, k)
+    return [(start + i, row.tolist()) for i, row in enumerate(grid) if (row >= 0).any()]
 
 
 def finish_reason_json(reason: FinishReason | None, length: int, matched: int | str | None) -> dict[str, Any] | None:

@@ -62,7 +62,10 @@ class GenerateRoutes(ServerBase):
     def _parse(self, raw: bytes | None) -> tuple[list[P.GenItem], P.GenOptions]:
         encode = self._encode if self.tokenizer is not None else None
         vocab = self.engine.model.config.vocab_size
-        return P.parse_generate(self._json(raw), vocab, self.context_len, self.eos_ids, encode)
+        items, opts = P.parse_generate(self._json(raw), vocab, self.context_len, self.eos_ids, encode)
+        if opts.return_routed_experts and not self.engine.model.config.is_moe:
+            raise P.error_message("return_routed_experts needs a mixture-of-experts model; this one is dense.")
+        return items, opts
 
     def _track(self, item: P.GenItem) -> _Track:
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
@@ -155,6 +158,11 @@ class GenerateRoutes(ServerBase):
             if opts.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = prompt_lps[1]
                 meta["output_top_logprobs"] = await self._output_top(item.prompt, ids, opts.top_logprobs_num)
+        if res is not None and opts.return_routed_experts:
+            c = self.engine.model.config
+            total = len(item.prompt) + n - 1  # the last token was never fed to the model
+            routes = res.routed_experts or []
+            meta["routed_experts"] = P.encode_routed_experts(routes, total, c.num_hidden_layers, c.num_experts_per_tok)
         cached = res.cached_tokens if res else 0
         meta.update(reasoning_tokens=0, completion_tokens=n, cached_tokens=cached)
         if res is not None:

@@ -50,8 +50,11 @@ class SGLangServerError(RuntimeError):
     """The server failed (HTTP 5xx) or no server could be reached."""
 
 
-def parse_generate_reply(data: dict[str, Any], rid: str | None = None) -> GenerateResult:
-    """A ``/generate`` reply object (or a stream's last chunk) as a GenerateResult."""
+def parse_generate_reply(
+    data: dict[str, Any], rid: str | None = None, moe: tuple[int, int] | None = None
+) -> GenerateResult:
+    """A ``/generate`` reply object (or a stream's last chunk) as a GenerateResult; ``moe`` ``(layers, top-k)``:
+    decode its ``routed_experts`` too."""
     meta = data["meta_info"]
     ids = [int(t) for t in data.get("output_ids", [])]
     triples = meta.get("output_token_logprobs") or []
@@ -72,6 +75,9 @@ def parse_generate_reply(data: dict[str, Any], rid: str | None = None) -> Genera
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens") or 0),
         top_logprobs=top,
+        routed_experts=P.decode_routed_experts(meta["routed_experts"], *moe)
+        if moe and meta.get("routed_experts")
+        else None,
     )
 
 
@@ -161,6 +167,13 @@ class SGLangEngine(SGLangWeightUpdates):
         self._where: dict[str, int] = {}
         self._version = 0
         self.model_dir = str(model_dir) if model_dir is not None else None
+        self._moe: tuple[int, int] | None = None
+        """A mixture-of-experts model's ``(layers, top-k)``: its requests ask for the routed experts."""
+        if model_dir is not None and (Path(model_dir) / "config.json").is_file():
+            from transfer_mesh import hf
+
+            spec = hf.read_config(model_dir)
+            self._moe = (spec.num_hidden_layers, spec.num_experts_per_tok) if spec.is_moe else None
         self.flush_timeout_s = flush_timeout_s
         self._infos: list[dict[str, Any]] | None = None
         self._kinds: list[str] | None = None
@@ -261,10 +274,12 @@ class SGLangEngine(SGLangWeightUpdates):
         body = {"input_ids": ids, "sampling_params": sampling_json(sampling), "return_logprob": True, "rid": rid}
         if sampling.top_logprobs:
             body["top_logprobs_num"] = sampling.top_logprobs
+        if self._moe is not None:  # routing replay (servers need --enable-return-routed-experts)
+            body["return_routed_experts"] = True
         status, data = await self._routed(rid.split(":", 1)[0], rid, "/generate", body)
         if status != 200:
             raise self._error(status, data)
-        return parse_generate_reply(data, rid)
+        return parse_generate_reply(data, rid, self._moe)
 
     async def _routed(self, traj: str | None, rid: str | None, path: str, body: Any) -> tuple[int, Any]:
         """POST to the routed server, retrying elsewhere on connection errors (aborting ``rid`` where it broke)."""
