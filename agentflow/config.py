@@ -136,6 +136,10 @@ class EngineConfig(Section):
     """SGLang: retries of a request on another server after a connection error."""
     health_interval: float = Field(5.0, gt=0)
     """SGLang: seconds between ``/health`` checks of servers marked unhealthy."""
+    routed_experts: bool = False
+    """``sglang`` serving a mixture-of-experts model: ask for each token's routed experts (``return_routed_experts``;
+    the servers need ``--enable-return-routed-experts``) for ``trainer.routing_replay``. The embedded engine always
+    records them."""
 
 
 class StoreConfig(Section):

@@ -38,7 +38,7 @@ def test_served_routes_match_the_engines_own(moe_dir) -> None:
     assert {p for p, _ in want.routed_experts} == set(range(len(prompt) + len(want.output_ids) - 1))
     eng = EmbeddedEngine(moe_dir, max_slots=2, max_len=128, seed=0)
     srv = ServerThread(eng)
-    client = SGLangEngine([srv.url], model_dir=moe_dir)
+    client = SGLangEngine([srv.url], model_dir=moe_dir, routed_experts=True)
     try:
         got = client.generate_sync(prompt, greedy)
         assert got.output_ids == want.output_ids
@@ -53,7 +53,7 @@ def test_dense_models_refuse_routed_experts(tmp_path) -> None:
     dense = init_model(tmp_path / "dense", ModelInitConfig(hidden_size=32, num_hidden_layers=1, intermediate_size=48))
     eng = EmbeddedEngine(dense, max_slots=1, max_len=64, seed=0)
     srv = ServerThread(eng)
-    client = SGLangEngine([srv.url], model_dir=dense)
+    client = SGLangEngine([srv.url], model_dir=dense, routed_experts=True)
     client._moe = (1, 2)  # as if the client thought the model were MoE: the server says it is not
     try:
         with pytest.raises((SGLangRequestError, ProtocolError), match="needs a mixture-of-experts model"):

@@ -37,5 +37,6 @@ def make_engine(cfg: EngineConfig, model_dir: str | Path, seed: int = 0) -> Infe
             max_retries=cfg.max_retries,
             health_interval=cfg.health_interval,
             model_dir=model_dir,
+            routed_experts=cfg.routed_experts,
         )
     raise ValueError(f"unknown engine.type {cfg.type!r}")

@@ -155,6 +155,7 @@ class SGLangEngine(SGLangWeightUpdates):
         health_interval: float = 5.0,
         model_dir: str | Path | None = None,
         flush_timeout_s: float = 30.0,
+        routed_experts: bool = False,
     ) -> None:
         if not urls:
             raise ValueError("SGLangEngine needs at least one server url")
@@ -168,8 +169,8 @@ class SGLangEngine(SGLangWeightUpdates):
         self._version = 0
         self.model_dir = str(model_dir) if model_dir is not None else None
         self._moe: tuple[int, int] | None = None
-        """A mixture-of-experts model's ``(layers, top-k)``: its requests ask for the routed experts."""
-        if model_dir is not None and (Path(model_dir) / "config.json").is_file():
+        """A mixture-of-experts model's ``(layers, top-k)`` when ``routed_experts``: requests ask for them."""
+        if routed_experts and model_dir is not None and (Path(model_dir) / "config.json").is_file():
             from transfer_mesh import hf
 
             spec = hf.read_config(model_dir)
