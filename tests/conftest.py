@@ -86,3 +86,15 @@ def require_env(env_id: str) -> None:
         _, programs, module = ENV_NEEDS[env_id]
         found = all(shutil.which(p) for p in programs) and importlib.util.find_spec(module) is not None
         require(found, f"{', '.join(programs)} and the {module} package for {env_id}")
+
+
+def play_episode(env, expert, seed: int, split: str = "train"):
+    """One scripted-expert episode; returns ``(history of (action, observation), final reward, final info)``."""
+    env.reset(seed=seed, options={"split": split})
+    history = []
+    while True:
+        action = expert(env, history)
+        obs, reward, terminated, truncated, info = env.step(action)
+        history.append((action, obs))
+        if terminated or truncated:
+            return history, reward, info

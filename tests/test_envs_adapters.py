@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 
 import pytest
+from conftest import play_episode as _play
 from conftest import require
 
 import envs
@@ -18,17 +19,6 @@ from envs.errors import EnvError
 def _libraries() -> None:
     for module, package in (("textarena", "textarena"), ("reasoning_gym", "reasoning-gym")):
         require(importlib.util.find_spec(module) is not None, f"the {package} package")
-
-
-def _play(env, expert, seed: int, split: str = "train"):
-    env.reset(seed=seed, options={"split": split})
-    history = []
-    while True:
-        action = expert(env, history)
-        obs, reward, terminated, truncated, info = env.step(action)
-        history.append((action, obs))
-        if terminated or truncated:
-            return history, reward, info
 
 
 def test_guess_the_number_plays_to_the_end_with_the_games_reward() -> None:

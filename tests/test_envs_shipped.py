@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from conftest import env_param, require, require_env
+from conftest import env_param, play_episode, require, require_env
 
 import envs
 from envs.checker import check_agent_env
@@ -30,14 +30,8 @@ SHIPPED = {
 
 def play(env, expert, seed, split="train"):
     """One expert episode; returns (actions, final reward, final info)."""
-    env.reset(seed=seed, options={"split": split})
-    history = []
-    while True:
-        action = expert(env, history)
-        obs, reward, terminated, truncated, info = env.step(action)
-        history.append((action, obs))
-        if terminated or truncated:
-            return [a for a, _ in history], reward, info
+    history, reward, info = play_episode(env, expert, seed, split)
+    return [a for a, _ in history], reward, info
 
 
 @pytest.fixture(params=sorted(SHIPPED))
