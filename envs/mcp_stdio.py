@@ -34,6 +34,7 @@ class Launched:
     def __init__(self, process: Any, sandbox: Any, launch: Any) -> None:
         self.process, self.sandbox, self.launch = process, sandbox, launch
         self.stderr = bytearray()
+        self.stopped = False
 
     def stderr_tail(self) -> str:
         return self.stderr[-STDERR_KEEP:].decode(errors="replace").strip()
@@ -134,9 +135,9 @@ async def sandboxed_stdio(server: MCPServer, started: Callable[[Any], None] | No
 
 async def _stop(run: Launched) -> None:
     """Close stdin, wait out the grace period, then kill the process group (and the sandbox's cgroup)."""
-    if getattr(run, "stopped", False):
+    if run.stopped:  # the transport's inner and outer shutdown paths both call this
         return
-    run.stopped = True  # type: ignore[attr-defined]
+    run.stopped = True
     proc = run.process
     with contextlib.suppress(Exception):
         await proc.stdin.aclose()
