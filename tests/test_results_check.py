@@ -24,12 +24,12 @@ def _distill_run(root: Path, calc: float, shell: float) -> Path:
     run = root / "distill-seed0"
     (run / "distill").mkdir(parents=True)
     (run / "rl").mkdir()
-    models = {"success": {"teacher-calc": {"calc": 0.69}, "teacher-shell": {"shell": 0.56}}}
+    models = {"success": {"teacher-calc": {"calc": 0.77}, "teacher-shell": {"shell": 0.715}}}
     (run / "models.json").write_text(json.dumps(models))
-    rows = {"calc": {"after_seq_kd": 0.6, "after": calc}, "shell": {"after_seq_kd": 0.57, "after": shell}}
+    rows = {"calc": {"after_seq_kd": 0.77, "after": calc}, "shell": {"after_seq_kd": 0.67, "after": shell}}
     (run / "distill" / "summary.json").write_text(json.dumps({"per_source": rows}))
     (run / "rl" / "summary.json").write_text(
-        json.dumps({"per_source": {"calc": {"after": 0.02}, "shell": {"after": 0}}})
+        json.dumps({"per_source": {"calc": {"after": 0.505}, "shell": {"after": 0}}})
     )
     return run
 
@@ -55,8 +55,8 @@ def test_a_reproduced_result_passes_and_a_moved_one_fails(tmp_path, monkeypatch)
 
 def test_the_distillation_claims(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert cr.report({"distill-seed0": _distill_run(tmp_path / "a", 0.62, 0.56)}, tmp_path / "a.json", quick=False)
-    assert not cr.report({"distill-seed0": _distill_run(tmp_path / "b", 0.52, 0.56)}, tmp_path / "b.json", quick=False)
+    assert cr.report({"distill-seed0": _distill_run(tmp_path / "a", 0.77, 0.68)}, tmp_path / "a.json", quick=False)
+    assert not cr.report({"distill-seed0": _distill_run(tmp_path / "b", 0.62, 0.68)}, tmp_path / "b.json", quick=False)
 
 
 @pytest.mark.slow
