@@ -123,6 +123,10 @@ def test_moe_engine_matches_trainer_after_weight_sync_and_runs_a_job(tmp_path_fa
     cfg = _job_cfg(model, tmp_path, "async", steps=2)
     summary = run_job(load_config(None, [*_overrides(cfg), "trainer.routing_replay=true"]), log=lambda *_: None)
     assert summary["rl_steps"] == 2 and summary["errors"] == 0
+    exported = tmp_path / "async" / "model"  # the trained policy, a Hugging Face directory the engine loads
+    assert summary["model_dir"] == str(exported) and (exported / "config.json").is_file()
+    with EmbeddedEngine(exported, max_slots=1, max_len=64) as engine:
+        assert engine.model.config.num_experts == 4
     steps = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
     mismatch = [m["train/routing_mismatch"] for m in steps if "train/routing_mismatch" in m]
     assert mismatch and max(mismatch) < 0.05  # stale versions (async) may route a few tokens differently

@@ -211,6 +211,11 @@ class MegatronTrainer:
             metrics.update(self._ppo_critic().update(mine, my_rows, float(max(counted, 1)), cfg))
         return metrics
 
+    def sample_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """The trainer's log-probs of every token of ``samples`` under the current weights (aligned with
+        ``token_ids``; position 0 = 0), with the samples' routes replayed or compared as in training."""
+        return self._old_logprobs(samples)
+
     @torch.no_grad()
     def _old_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """The trainer's log-probs of every token before the update (aligned with ``token_ids``; position 0 = 0)."""

@@ -58,6 +58,7 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log: Log, resume:
         after = pooled(after_sources)
         log(f"after RL:  success {after['success']:.3f} {after['per_type']}" + errors_note(after))
         await save_checkpoint(job, result)
+        model_dir = await asyncio.to_thread(job.trainer.save_hf, str(run_dir / "model"))  # the trained policy
         loop = loop_summary(job, result)
     shape = episode_shape(after["lengths"])
     return {
@@ -72,6 +73,7 @@ async def _rl(cfg: JobConfig, policy_dir: Path, run_dir: Path, log: Log, resume:
             k: {"before": v["success"], "after": after_sources[k]["success"]} for k, v in before["per_source"].items()
         },  # fmt: skip
         "eval_episodes": cfg.eval.episodes,
+        "model_dir": str(model_dir),
         # the held-out episodes' shape after RL (turns, context, wall-time tail), and before/after in full
         **{k: shape[k] for k in SHAPE_KEYS},
         "episode_shape": {"before": episode_shape(before["lengths"]) if "lengths" in before else None, "after": shape},
