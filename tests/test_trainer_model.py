@@ -16,6 +16,7 @@ from trainer.model import (  # noqa: E402
     init_distributed_cpu,
     load_hf_dir,
     load_into_model,
+    model_parameters,
     save_hf_dir,
     token_logprobs,
     token_logprobs_and_entropy,
@@ -191,20 +192,30 @@ load_into_model(model, state, spec)
 ids = torch.load(sys.argv[2])
 logp, entropy = token_logprobs_and_entropy(model, ids)
 (-logp.mean()).backward()
+from megatron.core import parallel_state
+from trainer.model import _gather_tp, model_parameters
+from trainer.parallel import allreduce_tp_partial_grads
+allreduce_tp_partial_grads(model, parallel_state.get_tensor_model_parallel_group())
 assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+grads = {n: _gather_tp(n, p.grad, 2) for n, p in model_parameters(model).items()}  # collective
+for n, g in grads.items():  # every rank holds the same whole gradient
+    peers = [torch.empty_like(g) for _ in range(2)]
+    torch.distributed.all_gather(peers, g.contiguous())
+    assert torch.equal(peers[0], peers[1]), f"{n}: the TP ranks' gradients differ"
 exported = export_hf_state(model, spec)
 assert all(torch.equal(exported[k], state[k]) for k in state), "TP export differs"
 logp_only = token_logprobs(model, ids).detach()  # collective: every rank calls it
 assert (logp_only - logp).abs().max() < 1e-6
 if torch.distributed.get_rank() == 0:
-    torch.save({"logp": logp_only, "entropy": entropy.detach()}, sys.argv[3])
+    torch.save({"logp": logp_only, "entropy": entropy.detach(), "grads": grads}, sys.argv[3])
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("hf_dir", ["qwen2", "qwen3"], indirect=True)
 def test_tensor_parallel_2_matches_hf(hf_dir: Path, tmp_path: Path) -> None:
-    """TP=2 under torchrun (2 gloo ranks): shard load, vocab-parallel log-probs, gathered export."""
+    """TP=2 under torchrun (2 gloo ranks): shard load, vocab-parallel log-probs, gathered export, and the gradient
+    of every parameter equal to TP=1's."""
     import os
     import subprocess
     import sys
@@ -234,6 +245,12 @@ def test_tensor_parallel_2_matches_hf(hf_dir: Path, tmp_path: Path) -> None:
     ref_logp, ref_entropy = _hf_logprobs(_hf_model(hf_dir), ids)
     assert (out["logp"] - ref_logp).abs().max().item() < TOL
     assert (out["entropy"] - ref_entropy).abs().max().item() < TOL
+    _, _, model = _loaded(hf_dir)  # TP=1
+    (-token_logprobs(model, ids).mean()).backward()
+    one = model_parameters(model)
+    assert set(one) == set(out["grads"])
+    for name, p in one.items():
+        assert (out["grads"][name] - p.grad).abs().max().item() < TOL, name
 
 
 def test_moe_under_tensor_parallelism_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

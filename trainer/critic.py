@@ -36,7 +36,7 @@ import torch
 from trainer.batching import MicroBatch, Packing
 from trainer.losses import AdvantagePlan, distill_rewards
 from trainer.model import _logits, _on_grid, _stream_logits, build_gpt_model, load_into_model, unwrap_model
-from trainer.parallel import ParallelAdamW, allreduce_grads, allreduce_sum
+from trainer.parallel import ParallelAdamW, allreduce_grads, allreduce_sum, allreduce_tp_partial_grads
 from trainer.types import LossSettings, Sample, TrainerSettings
 from transfer_mesh.layouts import ModelSpec
 
@@ -231,6 +231,7 @@ class Critic:
         self.settings, self.device = settings, device
         self.make_batches = make_batches
         self.dp_group, self.dp_size = dp_group, dp_size
+        self.tp_group = tp_group
 
     @torch.no_grad()
     def values(self, samples: list[Sample]) -> list[list[float]]:
@@ -267,6 +268,7 @@ class Critic:
             self.model.finish_grad_sync()
         elif self.dp_size > 1:
             allreduce_grads(self.model.parameters(), self.dp_group)
+        allreduce_tp_partial_grads(self.model, self.tp_group)
         if self.dp_size > 1:
             dev = "cuda" if self.device == "cuda" else "cpu"
             sums = {k: allreduce_sum(sums[k], self.dp_group, device=dev) for k in sorted(sums)}

@@ -39,7 +39,7 @@ from trainer.model import (
     token_logprobs_and_entropy,
     token_logprobs_at,
 )
-from trainer.parallel import ParallelAdamW, allreduce_grads, allreduce_sum, shard_for_dp
+from trainer.parallel import ParallelAdamW, allreduce_grads, allreduce_sum, allreduce_tp_partial_grads, shard_for_dp
 from trainer.types import LossSettings, Sample, TrainerSettings
 from transfer_mesh.buckets import Bucket, pack_version
 
@@ -200,6 +200,7 @@ class MegatronTrainer:
                 for k, v in self._micro_step(mb, cfg, denom, seqs, single).items():
                     sums[k] = sums.get(k, 0.0) + v
         self._dp_allreduce_grads()
+        allreduce_tp_partial_grads(self.model, self.tp_group)
         sums = {k: self._dp_sum(sums[k]) for k in sorted(sums)}  # same order on every DP rank
         grad_norm = self.optimizer.clip_grad_norm_(self.settings.grad_clip)  # global norm under TP (and on GPU)
         self.optimizer.step()

@@ -3,6 +3,8 @@
 - :func:`shard_for_dp`: each data-parallel rank's disjoint, token-balanced share of a batch.
 - :func:`allreduce_sum`, :func:`allreduce_grads`: sums over the DP group (the loss of every rank is already divided
   by the *global* token count, so summing gradients gives exactly the one-rank gradient).
+- :func:`allreduce_tp_partial_grads`: the TP-replicated parameters whose gradient each TP rank holds only part of
+  (per-head q/k norms; under sequence parallelism the norms and routers) summed over the TP group.
 - :func:`clip_grad_norm_tp` and :class:`ParallelAdamW`: gradient clipping with the *global* norm under TP (norms of
   TP-split parameters summed over the TP group, replicated parameters counted once: megatron's convention),
   identical to ``torch.nn.utils.clip_grad_norm_`` at TP=1.
@@ -28,6 +30,7 @@ __all__ = [
     "ParallelAdamW",
     "allreduce_grads",
     "allreduce_sum",
+    "allreduce_tp_partial_grads",
     "clip_grad_norm_tp",
     "neutral_row",
     "rank_checkpoint_path",
@@ -113,6 +116,44 @@ def allreduce_grads(params: Iterable[torch.nn.Parameter], group: Any) -> None:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+        g.copy_(synced)
+
+
+# ---------------------------------------------------------------------------------- partial gradients under TP
+
+
+def tp_partial_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Replicated parameters whose gradient each TP rank computes only part of: the per-head q/k norms (a rank
+    normalises its own heads) and, under sequence parallelism, every parameter megatron marks ``sequence_parallel``
+    (norms and routers that see one rank's share of the tokens)."""
+    out = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad or getattr(p, "tensor_model_parallel", False):
+            continue
+        if getattr(p, "sequence_parallel", False) or "q_layernorm" in name or "k_layernorm" in name:
+            out.append(p)
+    return out
+
+
+@torch.no_grad()
+def allreduce_tp_partial_grads(model: torch.nn.Module, tp_group: Any) -> None:
+    """Sum the gradients of :func:`tp_partial_params` over ``tp_group`` (megatron's DDP buffers: ``main_grad``), so
+    every TP rank applies the same, whole gradient to its copy. Nothing to do at TP=1."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return
+    grads = []
+    for p in tp_partial_params(model):
+        grad = getattr(p, "main_grad", None)
+        if grad is None:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grad = p.grad
+        grads.append(grad)
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=tp_group)
     for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(synced)
 
