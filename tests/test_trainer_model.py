@@ -206,16 +206,34 @@ exported = export_hf_state(model, spec)
 assert all(torch.equal(exported[k], state[k]) for k in state), "TP export differs"
 logp_only = token_logprobs(model, ids).detach()  # collective: every rank calls it
 assert (logp_only - logp).abs().max() < 1e-6
+out = {"logp": logp_only, "entropy": entropy.detach(), "grads": grads}
+from trainer.batching import pack_rows
+lengths = torch.tensor([17, 12, 9])  # packed: 38 tokens (19 per rank under sequence parallelism)
+mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
+out["packed"] = token_logprobs(model, ids, mask, packing=pack_rows(ids, lengths)).detach()
+if spec.is_moe:  # replayed routes: a fixed choice for every (row, position, layer), other than the router's own
+    from trainer import moe
+    b, s, n = ids.shape[0], ids.shape[1], spec.num_hidden_layers
+    t = torch.arange(b * s * n).reshape(b, s, n, 1)
+    routes = torch.cat([t % spec.num_experts, (t + 1) % spec.num_experts], dim=-1)
+    with torch.no_grad(), moe.replaying(model, moe.token_order(routes), replay=True):
+        out["replayed"] = token_logprobs(model, ids, mask)
+    with torch.no_grad(), moe.replaying(model, moe.token_order(routes, pack_rows(ids, lengths), lengths), replay=True):
+        out["replayed_packed"] = token_logprobs(model, ids, mask, packing=pack_rows(ids, lengths))
+    differing, compared = moe.take_mismatch(model)
+    counts = torch.tensor([float(differing), float(compared)])
+    torch.distributed.all_reduce(counts)
+    out["mismatch"] = counts
 if torch.distributed.get_rank() == 0:
-    torch.save({"logp": logp_only, "entropy": entropy.detach(), "grads": grads}, sys.argv[3])
+    torch.save(out, sys.argv[3])
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hf_dir", ["qwen2", "qwen3"], indirect=True)
+@pytest.mark.parametrize("hf_dir", ["qwen2", "qwen3", "qwen3_moe"], indirect=True)
 def test_tensor_parallel_2_matches_hf(hf_dir: Path, tmp_path: Path) -> None:
     """TP=2 under torchrun (2 gloo ranks): shard load, vocab-parallel log-probs, gathered export, and the gradient
-    of every parameter equal to TP=1's."""
+    of every parameter equal to TP=1's (Qwen3-MoE: under sequence parallelism, 17 positions padded to 18)."""
     import os
     import subprocess
     import sys
@@ -251,16 +269,23 @@ def test_tensor_parallel_2_matches_hf(hf_dir: Path, tmp_path: Path) -> None:
     assert set(one) == set(out["grads"])
     for name, p in one.items():
         assert (out["grads"][name] - p.grad).abs().max().item() < TOL, name
+    lengths = torch.tensor([17, 12, 9])
+    mask = (torch.arange(ids.shape[1]) < lengths[:, None]).long()
+    with torch.no_grad():
+        padded = token_logprobs(model, ids, mask)
+    assert (out["packed"] - padded).abs().max().item() < TOL
+    if spec.is_moe:
+        from trainer import moe
 
-
-def test_moe_under_tensor_parallelism_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import trainer.model as tm
-
-    spec = ModelSpec("qwen3_moe", 64, 1, 4, 2, 176, 96, head_dim=24, num_experts=4, num_experts_per_tok=2,
-                     moe_intermediate_size=32)  # fmt: skip
-    monkeypatch.setattr(tm, "tp_rank_and_size", lambda: (0, 2))
-    with pytest.raises(ValueError, match="trains with trainer.tp=1 only"):
-        tm.make_transformer_config(spec)
+        b, s, n = ids.shape[0], ids.shape[1], spec.num_hidden_layers
+        t = torch.arange(b * s * n).reshape(b, s, n, 1)
+        routes = torch.cat([t % spec.num_experts, (t + 1) % spec.num_experts], dim=-1)
+        with torch.no_grad(), moe.replaying(model, moe.token_order(routes), replay=True):
+            replayed = token_logprobs(model, ids, mask)
+        assert (replayed - padded).abs().max().item() > 1e-3  # the replay was followed
+        assert (out["replayed"] - replayed).abs().max().item() < TOL
+        assert (out["replayed_packed"] - replayed).abs().max().item() < TOL
+        assert out["mismatch"][1].item() == (3 * 17 + 38) * n  # every token's routes compared once, padding not
 
 
 @pytest.mark.parametrize("hf_dir", ["qwen3_moe"], indirect=True)

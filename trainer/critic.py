@@ -209,6 +209,9 @@ class Critic:
         model = build_gpt_model(spec, settings.seed, device, bf16=bf16, layer_spec=layer_spec)
         load_into_model(model, hf_state, spec)
         gpt = unwrap_model(model)
+        if gpt.config.sequence_parallel:  # the value head would see one rank's share of the positions
+            raise ValueError("the ppo critic does not run under sequence parallelism (a mixture-of-experts model with "
+                             "trainer.tp > 1): use trainer.tp=1 and trainer.dp for more ranks")  # fmt: skip
         ref = next(gpt.parameters())
         gpt.output_layer = ValueHead(spec.hidden_size, ref.device, ref.dtype)
         lr = settings.loss.critic_lr or settings.lr

@@ -83,6 +83,7 @@ class MegatronTrainer:
         from megatron.core import parallel_state
 
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank, self.dp_size = dp_rank_and_size()
         self.last_dp_shard: list[int] = []
@@ -172,7 +173,10 @@ class MegatronTrainer:
         if isinstance(plan, GAEPlan):
             metrics.update(plan.stats)
         if self.spec.is_moe:
-            differing, compared = (self._dp_sum(float(n)) for n in moe.take_mismatch(self.model))
+            counts = moe.take_mismatch(self.model)
+            if self.tp_size > 1:  # sequence parallel: each TP rank routed its share
+                counts = tuple(int(allreduce_sum(float(n), self.tp_group)) for n in counts)
+            differing, compared = (self._dp_sum(float(n)) for n in counts)
             if compared:
                 metrics["routing_mismatch"] = differing / compared
         return metrics

@@ -7,6 +7,10 @@ Three patch-free adaptations make megatron-core 0.16.1 run on CPU (docs/decision
    scratch buffer; ``get_default_causal_mask`` defaults to CUDA);
 3. ``model.rotary_pos_emb`` is :class:`CPURotaryEmbedding` (the stock one moves ``inv_freq`` to CUDA).
 
+Sequence parallelism (an MoE model under TP > 1) needs one patch: megatron's sequence-parallel collectives allocate
+on ``torch.cuda.current_device()``, which a CPU-only build answers with the CPU in trainer processes
+(:func:`_collectives_on_cpu`); the norms are :class:`RMSNorm`, and sequences are padded to a multiple of the TP size.
+
 Packed micro-batches (``trainer.batching.Packing``) run in megatron's THD layout: ``PackedSeqParams`` makes RoPE
 restart at every sequence and :class:`SDPACoreAttention` attends within each one (on GPU also TransformerEngine's
 attention; megatron's local ``DotProductAttention`` cannot, see :func:`supports_packing`).
@@ -35,6 +39,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors.torch import save_file
 from torch import Tensor
@@ -112,9 +117,6 @@ def make_transformer_config(spec: ModelSpec, device: str = "cpu", bf16: bool = F
     """
     check_megatron_layout(spec)  # a spec built by hand, not read by load_hf_dir, is checked here
     tp = tp_rank_and_size()[1]
-    if spec.is_moe and tp > 1:
-        # megatron trains an MoE layer under TP only with sequence parallelism, which this trainer does not set up
-        raise ValueError(f"a mixture-of-experts model trains with trainer.tp=1 only (got {tp}); use dp for more ranks")
     on_cuda = device == "cuda"
     return TransformerConfig(
         num_layers=spec.num_hidden_layers,
@@ -144,6 +146,9 @@ def make_transformer_config(spec: ModelSpec, device: str = "cpu", bf16: bool = F
         persist_layer_norm=False,
         calculate_per_token_loss=on_cuda,
         tensor_model_parallel_size=tp,
+        # megatron runs an MoE layer under TP only with sequence parallelism (hidden states split along the sequence
+        # between the layers); dense models keep whole sequences on every rank
+        sequence_parallel=spec.is_moe and tp > 1,
         **_moe_config(spec),
     )
 
@@ -169,12 +174,33 @@ def _moe_config(spec: ModelSpec) -> dict[str, object]:
     }
 
 
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` built the way megatron builds its norms, usable under sequence parallelism (megatron's
+    torch-norm wrapper refuses it): the weight is marked ``sequence_parallel`` then, since each TP rank sees only its
+    share of the tokens and the weight's gradient is summed over the TP group (``trainer.parallel``)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
 def cpu_layer_spec(qk_norm: bool = False, num_experts: int | None = None) -> ModuleSpec:
     """megatron's local GPT layer spec (RMSNorm; per-head q/k RMSNorm with ``qk_norm``; routed experts as a
-    ``SequentialMLP`` with ``num_experts``) with :class:`SDPACoreAttention` as core attention."""
+    ``SequentialMLP`` with ``num_experts``) with :class:`SDPACoreAttention` as core attention and :class:`RMSNorm`
+    as the norms."""
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, num_experts=num_experts)
-    layer_spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    layer = layer_spec.submodules
+    layer.self_attention.submodules.core_attention = SDPACoreAttention
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if qk_norm:
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = RMSNorm
     return layer_spec
+
+
+def block_spec(layer_spec: ModuleSpec, num_layers: int) -> TransformerBlockSubmodules:
+    """Every layer from ``layer_spec``, and :class:`RMSNorm` as the final norm (megatron's default for a bare layer
+    spec is its torch-norm wrapper)."""
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=RMSNorm)
 
 
 def cuda_layer_spec(kind: str = "auto", qk_norm: bool = False, num_experts: int | None = None) -> ModuleSpec:
@@ -213,9 +239,12 @@ def build_gpt_model(
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
     config = make_transformer_config(spec)
+    if config.sequence_parallel:
+        _collectives_on_cpu()
+    layers = cpu_layer_spec(spec.qk_norm, spec.num_experts or None)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=cpu_layer_spec(spec.qk_norm, spec.num_experts or None),
+        transformer_layer_spec=block_spec(layers, spec.num_hidden_layers),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
@@ -232,6 +261,14 @@ def build_gpt_model(
     )
     moe.install(model, on_cpu=True)
     return model
+
+
+def _collectives_on_cpu() -> None:
+    """Sequence parallelism on a CPU-only build: megatron's sequence-parallel collectives (and its global buffer)
+    allocate their outputs on ``torch.cuda.current_device()``, which only raises without CUDA; there it names the
+    CPU instead. Nothing changes on a machine with CUDA."""
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
 
 
 def _build_cuda_model(spec: ModelSpec, seed: int, bf16: bool, layer_spec: str) -> torch.nn.Module:
@@ -403,9 +440,18 @@ def _logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | 
     device = next(model.parameters()).device
     if input_ids.device != device:
         input_ids = input_ids.to(device)
-    position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+    pad = -s % _sequence_multiple(model)  # padding after the last position changes no earlier one (causal)
+    input_ids = F.pad(input_ids, (0, pad))
+    position_ids = torch.arange(s + pad, device=input_ids.device).unsqueeze(0).expand(b, s + pad)
     logits = model(input_ids, position_ids, attention_mask=None)
-    return logits.float()
+    return logits[:, :s].float()
+
+
+def _sequence_multiple(model: torch.nn.Module) -> int:
+    """What the sequence length must be a multiple of: the TP size under sequence parallelism (each rank holds an
+    equal share of the positions), else 1."""
+    config = unwrap_model(model).config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
 def _stream_logits(model: torch.nn.Module, packing: Packing) -> Tensor:
@@ -414,9 +460,14 @@ def _stream_logits(model: torch.nn.Module, packing: Packing) -> Tensor:
     device = next(model.parameters()).device
     cu = packing.cu_seqlens.to(device)
     n = packing.max_seqlen
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
     ids, pos = packing.input_ids.to(device), packing.position_ids.to(device)
-    return model(ids, pos, attention_mask=None, packed_seq_params=params).float()
+    tokens = ids.shape[1]
+    pad = -tokens % _sequence_multiple(model)
+    if pad:  # a row of padding after the stream's last one (it attends only to itself)
+        ids, pos = F.pad(ids, (0, pad)), F.pad(pos, (0, pad))
+        cu, n = torch.cat([cu, cu[-1:] + pad]), max(n, pad)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=n, max_seqlen_kv=n)
+    return model(ids, pos, attention_mask=None, packed_seq_params=params)[:, :tokens].float()
 
 
 def _target_logits(

@@ -10,7 +10,9 @@ router as usual. Either way each router counts how many of the given (token, lay
 top-k (as sets): the train/infer routing mismatch, measured with replay off as well.
 
 Token order: megatron's hidden states are ``[s, b, h]``, so a router sees the padded micro-batch's tokens
-position-major (``position * b + row``), and a packed stream's in stream order.
+position-major (``position * b + row``), and a packed stream's in stream order. Under sequence parallelism (an MoE
+model with ``trainer.tp`` > 1) each TP rank's routers see a contiguous share of that order, so each takes its share
+of the routes.
 """
 
 from __future__ import annotations
@@ -50,6 +52,22 @@ def _cpu_gating(router: Any, hidden: Tensor) -> Tensor:
     return F.linear(hidden.float(), router.weight.float(), bias)
 
 
+def _local_routes(router: Any, given: Tensor, tokens: int) -> Tensor:
+    """The rows of ``given`` for the ``tokens`` this router sees: all of them, or under sequence parallelism this TP
+    rank's contiguous share of the sequence (padded at the end to a multiple of the TP size: no route there)."""
+    if not router.config.sequence_parallel:
+        return given
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    total = tokens * size
+    if given.shape[0] > total:
+        return given  # refused by the shape check
+    padded = torch.cat([given, given.new_full((total - given.shape[0], given.shape[1]), -1)])
+    return padded[rank * tokens : (rank + 1) * tokens]
+
+
 def _make_routing(own: Any) -> Any:
     def routing(router: Any, logits: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         given: Tensor | None = getattr(router, _ROUTES, None)
@@ -57,6 +75,7 @@ def _make_routing(own: Any) -> Any:
             return own(logits, padding_mask)
         experts = router.config.num_moe_experts
         flat = logits.reshape(-1, experts)
+        given = _local_routes(router, given, flat.shape[0])
         if given.shape != (flat.shape[0], router.topk):
             raise ValueError(
                 f"replayed routes {tuple(given.shape)} do not match {flat.shape[0]} tokens x top-{router.topk}"
