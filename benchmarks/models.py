@@ -79,13 +79,12 @@ def sample_episodes(model: Path, episodes: int, seed: int) -> list:
     return to_samples([Group("g", 0, trajs)])
 
 
-def agreement(model: Path, samples: list, replay: bool) -> dict:
+def agreement(trainer, samples: list, replay: bool) -> dict:
     """The trainer's log-probs of the sampled tokens against the engine's behaviour log-probs."""
     from trainer import moe
-    from trainer.megatron_trainer import MegatronTrainer
-    from trainer.types import TrainerSettings
 
-    trainer = MegatronTrainer(str(model), TrainerSettings(threads=1, routing_replay=replay))
+    trainer.settings = trainer.settings.model_copy(update={"routing_replay": replay})
+    moe.take_mismatch(trainer.model)
     t0 = time.perf_counter()
     scored = trainer.sample_logprobs(samples)
     seconds = time.perf_counter() - t0
@@ -104,11 +103,29 @@ def agreement(model: Path, samples: list, replay: bool) -> dict:
     return out
 
 
+def measure(model: Path, samples: list, lag: int, lr: float) -> dict:
+    """Agreement at the engine's own weights, then ``lag`` GRPO updates later (on these samples, with replay, at the
+    demo's learning rate): what an asynchronous run's trainer sees of a batch sampled ``lag`` versions ago."""
+    from trainer.megatron_trainer import MegatronTrainer
+    from trainer.types import TrainerSettings
+
+    trainer = MegatronTrainer(str(model), TrainerSettings(threads=1, lr=lr, routing_replay=True))
+    sides = [("with_replay", True), ("without_replay", False)] if trainer.spec.is_moe else [("trainer", False)]
+    out: dict = {"same_weights": {name: agreement(trainer, samples, replay) for name, replay in sides}}
+    trainer.settings = trainer.settings.model_copy(update={"routing_replay": True})
+    for _ in range(lag):
+        trainer.train_step(samples, "grpo")
+    out[f"after_{lag}_updates"] = {name: agreement(trainer, samples, replay) for name, replay in sides}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16 episodes per model, fresh models")
     ap.add_argument("--episodes", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lag", type=int, default=2, help="updates between sampling and scoring (the demo's bound)")
+    ap.add_argument("--lr", type=float, default=1e-4, help="learning rate of those updates (the demo's)")
     ap.add_argument("--dense", help=f"dense model directory (default {RUNS['dense'][0]})")
     ap.add_argument("--moe", help=f"MoE model directory (default {RUNS['moe'][0]})")
     ap.add_argument("--out", default=str(OUT / "models.json"))
@@ -118,19 +135,14 @@ def main() -> None:
 
     torch.set_num_threads(1)
     episodes = 16 if a.quick else a.episodes
-    table: dict = {"episodes": episodes, "seed": a.seed, "env": "agentflow/Calc-v0", "models": {}}
+    table: dict = {"episodes": episodes, "seed": a.seed, "lag": a.lag, "lr": a.lr, "env": "agentflow/Calc-v0",
+                   "models": {}}  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
         for kind in RUNS:
             path, origin = model_dir(kind, getattr(a, kind), a.quick, Path(scratch))
             samples = sample_episodes(path, episodes, a.seed)
-            row: dict = {"model": origin}
-            if kind == "moe":
-                row["with_replay"] = agreement(path, samples, replay=True)
-                row["without_replay"] = agreement(path, samples, replay=False)
-            else:
-                row["trainer"] = agreement(path, samples, replay=False)
-            table["models"][kind] = row
-            print(kind, json.dumps(row, indent=1))
+            table["models"][kind] = {"model": origin, **measure(path, samples, a.lag, a.lr)}
+            print(kind, json.dumps(table["models"][kind], indent=1))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=2) + "\n")
@@ -144,13 +156,22 @@ def _plot(table: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     moe, dense = table["models"]["moe"], table["models"]["dense"]
-    names = ["dense", "MoE, replay", "MoE, no replay"]
-    rows = [dense["trainer"], moe["with_replay"], moe["without_replay"]]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    axes[0].bar(names, [max(r["k3_kl"], 1e-12) for r in rows], color=["grey", "tab:green", "tab:red"])
+    phases = ["same_weights", f"after_{table['lag']}_updates"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.27
+    sides = [("dense", dense, "trainer", "grey"), ("MoE, replay", moe, "with_replay", "tab:green"),
+             ("MoE, no replay", moe, "without_replay", "tab:red")]  # fmt: skip
+    for j, (label, model, side, color) in enumerate(sides):
+        rows = [model[p][side] for p in phases]
+        xs = [i + (j - 1) * width for i in range(len(phases))]
+        axes[0].bar(xs, [max(r["k3_kl"], 1e-20) for r in rows], width, label=label, color=color)
+        if label != "dense":
+            axes[1].bar(xs, [100 * r["routing_mismatch"] for r in rows], width, label=label, color=color)
+    for ax in axes:
+        ax.set_xticks(range(len(phases)), ["engine's weights", f"{table['lag']} updates later"])
+        ax.legend(fontsize=8)
     axes[0].set_yscale("log")
     axes[0].set_title("k3 KL(behaviour || trainer) per token")
-    axes[1].bar(names[1:], [100 * r["routing_mismatch"] for r in rows[1:]], color=["tab:green", "tab:red"])
     axes[1].set_title("routings differing from the engine's (%)")
     fig.suptitle(f"engine vs trainer on {table['episodes']} Calc-v0 episodes")
     fig.tight_layout()

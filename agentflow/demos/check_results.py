@@ -50,6 +50,8 @@ RESULTS = {
     "blackbox-seed0": Result("rl", "configs/demo-blackbox.yaml"),
     "agentic-seed0": Result("rl", "configs/agentic.yaml"),
     "agentic-seed1": Result("rl", "configs/agentic.yaml", SEED1[1:]),  # seed 0's warm-up (it takes 12 minutes)
+    "moe-seed0": Result("rl", "configs/demo-moe.yaml"),
+    "moe-seed1": Result("rl", "configs/demo-moe.yaml", SEED1),
     "distill-seed0": Result("distill", "configs/distill.yaml"),
     "distill-seed1": Result("distill", "configs/distill.yaml", SEED1),
 }
@@ -57,6 +59,7 @@ FAMILIES = {
     "rl": ["rl-seed0", "rl-seed1"],
     "blackbox": ["blackbox-seed0"],
     "agentic": ["agentic-seed0", "agentic-seed1"],
+    "moe": ["moe-seed0", "moe-seed1"],
     "distill": ["distill-seed0", "distill-seed1"],
 }
 
@@ -129,6 +132,7 @@ CLAIMS: dict[str, list[Claim]] = {
 }  # fmt: skip
 CLAIMS["blackbox"] = CLAIMS["rl"][:1]
 CLAIMS["agentic"] = CLAIMS["rl"]
+CLAIMS["moe"] = CLAIMS["rl"]
 
 
 def _tolerance(documented: list[float], episodes: int = 200) -> float:
