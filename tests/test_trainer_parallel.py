@@ -29,9 +29,15 @@ TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=17
 SETTINGS = TrainerSettings(lr=1e-3, grad_clip=0.05, threads=1, micro_batch_tokens=64)  # 2 micro-batches
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return init_model(tmp_path_factory.mktemp("tiny"), TINY)
+TINY_MOE = ModelInitConfig(
+    hidden_size=64, num_hidden_layers=2, arch="qwen3_moe", num_experts=4, moe_intermediate_size=48
+)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"])
+def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The dense model, and an MoE one (under TP: sequence parallelism, experts split like dense MLPs)."""
+    return init_model(tmp_path_factory.mktemp(request.param), TINY if request.param == "qwen2" else TINY_MOE)
 
 
 def _batch(lengths: tuple[int, ...] = (14, 9, 20, 11, 17, 6)) -> list[Sample]:
