@@ -101,23 +101,27 @@ def make_agent(name: str, **settings: Any) -> BaseAgent:
 @register_agent("whitebox")
 class WhiteBoxAgent(BaseAgent):
     """Our token loop. ``context``: ``truncate`` ends an episode that fills the context, ``compact`` continues it in
-    a new ``compact`` segment. ``recycle``: a generation aborted by a weight update is run again."""
+    a new ``compact`` segment. ``unfinished_turn``: a reply cut at the token budget is acted on (``act``) or ends
+    the episode unrewarded (``end``). ``recycle``: a generation aborted by a weight update is run again."""
 
     name = "whitebox"
 
-    def __init__(self, context: str = "truncate", recycle: bool = False, **_: Any) -> None:
+    def __init__(
+        self, context: str = "truncate", unfinished_turn: str = "act", recycle: bool = False, **_: Any
+    ) -> None:
         if context not in ("truncate", "compact"):
             raise ValueError(f"agent.context must be 'truncate' or 'compact', got {context!r}")
-        self.context, self.recycle = context, recycle
+        if unfinished_turn not in ("act", "end"):
+            raise ValueError(f"agent.unfinished_turn must be 'act' or 'end', got {unfinished_turn!r}")
+        self.context, self.unfinished_turn, self.recycle = context, unfinished_turn, recycle
 
     async def start(self, engine: InferenceEngine, tokenizer: ChatTokenizer) -> None:
         _abort_on_update(engine, self.recycle)
 
     async def run(self, episode: Episode) -> Trajectory:
         e = episode
-        return await run_episode(
-            e.engine, e.tokenizer, e.env, e.spec, e.sampling, e.max_len, context=self.context, recycle=self.recycle
-        )
+        return await run_episode(e.engine, e.tokenizer, e.env, e.spec, e.sampling, e.max_len, context=self.context,
+                                 recycle=self.recycle, unfinished_turn=self.unfinished_turn)  # fmt: skip
 
 
 @register_agent("blackbox")
@@ -135,10 +139,15 @@ class BlackBoxAgent(BaseAgent):
         model_name: str = "agentflow-policy",
         recycle: bool = False,
         train_side_calls: bool = False,
+        context: str = "truncate",
+        unfinished_turn: str = "act",
         **_: Any,
     ) -> None:
         from agentflow.proxy.runner import CallableProgram, SubprocessProgram, load_callable
 
+        if context != "truncate" or unfinished_turn != "act":  # the program, not our loop, decides what comes next
+            raise ValueError("agent.context and agent.unfinished_turn apply to the whitebox agent only: a blackbox "
+                             "program decides itself what a full context or a cut reply leads to")  # fmt: skip
         if (entry is None) == (command is None):
             raise ValueError("a blackbox agent needs exactly one of agent.entry (module:function) or agent.command")
         self.program = CallableProgram(load_callable(entry)) if entry else SubprocessProgram(list(command or []))
@@ -179,7 +188,8 @@ def _abort_on_update(engine: InferenceEngine, recycle: bool) -> None:
 def agent_from_config(cfg: Any) -> BaseAgent:
     """The job's agent from its ``agent`` and ``rollout`` sections."""
     a = cfg.agent
-    settings = {"context": a.context, "entry": a.entry, "command": a.command, "timeout_s": a.timeout_s,
+    settings = {"context": a.context, "unfinished_turn": a.unfinished_turn, "entry": a.entry, "command": a.command,
+                "timeout_s": a.timeout_s,
                 "model_name": a.model_name, "recycle": cfg.rollout.partial == "recycle",
                 "train_side_calls": a.train_side_calls, **a.kwargs}  # fmt: skip
     return make_agent(a.type, **settings)

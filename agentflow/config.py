@@ -97,6 +97,10 @@ class AgentConfig(Section):
     point, or ``module:Class`` (a :class:`~agentflow.agents.BaseAgent` built with this section's settings)."""
     context: Literal["truncate", "compact"] = "truncate"
     """Whitebox: a full context ends the episode, or continues it in a new ``compact`` segment."""
+    unfinished_turn: Literal["act", "end"] = "act"
+    """Whitebox: a reply cut at ``rollout.max_new_tokens`` before its end token is still handed to the env
+    (``act``), or ends the episode there, ``truncated`` with reward 0 (``end``: a run-on reply is never rewarded,
+    even where the env's parser would accept its start)."""
     entry: str | None = None
     """Blackbox: the program as a Python callable ``module:function`` taking a ``BlackBoxTask``."""
     command: list[str] | None = None

@@ -47,18 +47,21 @@ async def run_episode(
     max_len: int,
     context: str = "truncate",
     recycle: bool = False,
+    unfinished_turn: str = "act",
 ) -> Trajectory:
     """Play one episode; always returns a trajectory (status says how it ended).
 
     ``context="compact"``: when the context is full, continue in a new ``compact`` segment (the first prompt plus
     the tool results so far) instead of ending ``truncated``. ``recycle``: a generation aborted because the weights
     changed under it is run again from the same input (partial rollouts recycled, counted in ``info["recycled"]``).
+    ``unfinished_turn="end"``: a reply cut at the token budget ends the episode ``truncated`` with reward 0 (its
+    tokens are kept as the last turn, with ``error`` saying so) instead of going to the env.
     """
     traj = Trajectory(id=spec.traj_id, task_id=f"{spec.split}:{spec.seed}", group_id=spec.group_id, env_id=spec.env_id)
     traj.data_source, traj.tags = spec.data_source, list(spec.tags)
     t0 = time.perf_counter()
     try:
-        await _play(engine, tokenizer, env, spec, sampling, max_len, traj, context, recycle)
+        await _play(engine, tokenizer, env, spec, sampling, max_len, traj, context, recycle, unfinished_turn)
     except Exception as e:  # the env or engine failed: keep the tokens, say why, never score it
         traj.status, traj.reward = "error", None
         traj.error = f"{type(e).__name__}: {e}"
@@ -67,7 +70,7 @@ async def run_episode(
     return traj
 
 
-async def _play(engine, tokenizer, env, spec, sampling, max_len, traj: Trajectory, context, recycle) -> None:
+async def _play(engine, tokenizer, env, spec, sampling, max_len, traj: Trajectory, context, recycle, unfinished):
     obs, info = await env.areset(seed=spec.seed, options={**spec.options, "split": spec.split})
     traj.info.update(task_type=info.get("task_type"), split=spec.split)
     tools = [t.to_openai() for t in env.tools]
@@ -93,10 +96,15 @@ async def _play(engine, tokenizer, env, spec, sampling, max_len, traj: Trajector
         if res.finish_reason == "abort":
             traj.status, traj.reward = "aborted", None
             break
+        span = (start, start + len(res.output_ids))
         if res.finish_reason == "length":  # close the unfinished message so the next turn stays well-formed
             seg.append_context(tokenizer.encode(IM_END))
+            if unfinished == "end":
+                cut = f"reply cut at {len(res.output_ids)} tokens before its end token"
+                traj.turns.append(Turn(turn_idx, None, "", error=cut, segment=len(traj.segments) - 1, span=span))
+                traj.status, traj.reward = "truncated", 0.0
+                break
         t = time.perf_counter()
-        span = (start, start + len(res.output_ids))
         turn, done, step_info = await _act(env, tokenizer.decode(res.output_ids), turn_idx, span)
         turn.segment = len(traj.segments) - 1
         env_s += time.perf_counter() - t

@@ -75,6 +75,40 @@ class Replay:
         return GenerateResult(rid or "", ids, [-0.5] * len(ids), [0] * len(ids), "stop", len(input_ids))
 
 
+class CutReplay(Replay):
+    """Replies cut at the token budget: no end token, finish reason ``length``."""
+
+    async def generate(self, input_ids, sampling, rid=None):
+        ids = self.tok.encode(self.texts.pop(0))
+        return GenerateResult(rid or "", ids, [-0.5] * len(ids), [0] * len(ids), "length", len(input_ids))
+
+
+@pytest.mark.parametrize("unfinished", ["act", "end"])
+def test_a_reply_cut_at_the_budget_is_acted_on_or_ends_the_episode(tiny_model, unfinished):
+    tok = ChatTokenizer(tiny_model)
+    env = envs.make("agentflow/Calc-v0")
+    env.reset(seed=5)
+    answer = str(env.unwrapped.task.answer)  # right, but the reply never ended
+    engine = CutReplay(tok, [answer, answer])
+    spec = EpisodeSpec("t", "g", 5)
+    traj = asyncio.run(run_episode(engine, tok, env, spec, SamplingParams(), 512, unfinished_turn=unfinished))
+    env.close()
+    seg, turn = traj.segments[0], traj.turns[0]
+    assert tok.decode(seg.token_ids[turn.span[0] : turn.span[1]]) == answer and seg.loss_mask[turn.span[0]] == 1
+    if unfinished == "act":  # the env's parser accepted it
+        assert traj.status == "ok" and traj.reward == 1.0 and turn.error is None
+    else:
+        assert traj.status == "truncated" and traj.reward == 0.0 and len(traj.turns) == 1
+        assert turn.action is None and "cut at" in turn.error and traj.info["success"] is False
+
+
+def test_blackbox_agents_refuse_whitebox_loop_settings():
+    from agentflow.agents import make_agent
+
+    with pytest.raises(ValueError, match="whitebox agent only"):
+        make_agent("blackbox", entry="json:dumps", unfinished_turn="end")
+
+
 def test_malformed_tool_call_becomes_error_observation_and_episode_continues(tiny_model):
     tok = ChatTokenizer(tiny_model)
     env = envs.make("agentflow/Calc-v0")
