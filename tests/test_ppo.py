@@ -140,6 +140,21 @@ def test_ppo_trains_the_critic_on_a_fixed_batch(tiny_model):
     assert history[-1]["explained_variance"] > 0.5 > history[0]["explained_variance"] == 0.0
 
 
+def test_critic_warmup_steps_train_the_critic_alone(tiny_model):
+    from trainer.model import model_parameters
+
+    t = _trainer(tiny_model, lr=1e-3, critic_warmup_steps=2)
+    policy = {k: v.detach().clone() for k, v in model_parameters(t.model).items()}
+    samples = _samples()
+    first = [t.train_step(samples) for _ in range(2)]
+    assert all(m["policy_frozen"] == 1.0 and "grad_norm" not in m and "critic_grad_norm" in m for m in first)
+    assert all(torch.equal(v, policy[k]) for k, v in model_parameters(t.model).items())  # the policy stayed
+    assert first[1]["value_loss"] < first[0]["value_loss"] and t.version == 2  # the critic learned; versions count
+    third = t.train_step(samples)
+    assert third["policy_frozen"] == 0.0 and third["grad_norm"] > 0
+    assert any(not torch.equal(v, policy[k]) for k, v in model_parameters(t.model).items())
+
+
 def test_the_critic_reaches_the_policy_only_through_the_advantages(tiny_model, monkeypatch):
     samples = _samples()
     fixed = [[0.05 * (t % 7) for t in range(len(s.token_ids))] for s in samples]

@@ -98,6 +98,9 @@ class LossFields(_Section):
     (PPO's value clipping; ``null`` turns it off). Active from the second optimizer step on a batch."""
     critic_lr: float | None = Field(None, gt=0)
     """``ppo``: peak learning rate of the critic (default: ``lr``); it follows the policy's LR schedule."""
+    critic_warmup_steps: int = Field(0, ge=0)
+    """``ppo``: train steps at the start in which only the critic learns (the policy's weights stay; versions and LR
+    schedules still advance), so the first policy updates use values that have seen some returns."""
     whiten_advantages: bool = True
     """``ppo``: normalise the GAE advantages over the batch's model tokens (mean 0, std 1); returns stay raw."""
     m2po_tau: float = Field(0.04, gt=0)

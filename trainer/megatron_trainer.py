@@ -198,19 +198,23 @@ class MegatronTrainer:
         denom = float(max(counted, max((s.norm_tokens for s in samples), default=0), 1))
         seqs = float(max(self._dp_sum(sum(int((b.target_mask.sum(-1) > 0).sum()) for b in batches)), 1))
         self.optimizer.zero_grad(set_to_none=True)
+        frozen = cfg.name == "ppo" and self.step < cfg.critic_warmup_steps  # the critic's warm-up: it learns alone
         sums: dict[str, float] = {}
-        for mb in batches:
+        for mb in [] if frozen else batches:
             with self._routes(mb):
                 for k, v in self._micro_step(mb, cfg, denom, seqs, single).items():
                     sums[k] = sums.get(k, 0.0) + v
-        self._dp_allreduce_grads()
-        allreduce_tp_partial_grads(self.model, self.tp_group)
-        sums = {k: self._dp_sum(sums[k]) for k in sorted(sums)}  # same order on every DP rank
-        grad_norm = self.optimizer.clip_grad_norm_(self.settings.grad_clip)  # global norm under TP (and on GPU)
-        self.optimizer.step()
+        metrics: dict[str, float] = {}
+        if not frozen:
+            self._dp_allreduce_grads()
+            allreduce_tp_partial_grads(self.model, self.tp_group)
+            sums = {k: self._dp_sum(sums[k]) for k in sorted(sums)}  # same order on every DP rank
+            grad_norm = self.optimizer.clip_grad_norm_(self.settings.grad_clip)  # global norm under TP (and on GPU)
+            self.optimizer.step()
+            metrics = {k: v / denom for k, v in sums.items()}
+            metrics["grad_norm"] = float(grad_norm)
         self.scheduler.step()
-        metrics = {k: v / denom for k, v in sums.items()}
-        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0], tokens=denom)
+        metrics.update(lr=self.scheduler.get_last_lr()[0], tokens=denom, policy_frozen=float(frozen))
         metrics["micro_batches"] = float(len(batches))
         if cfg.name == "ppo":  # the critic's own step on the same rows (returns and old values ride along)
             metrics.update(self._ppo_critic().update(mine, my_rows, float(max(counted, 1)), cfg))
