@@ -131,6 +131,16 @@ def test_tensor_parallel_2_matches_one_rank(tiny_dir: Path, reference: dict, tmp
         assert group.version == 1
 
 
+def test_what_sequence_parallelism_cannot_run_is_refused(tmp_path: Path) -> None:
+    """Under TP an MoE model runs sequence-parallel; the full-vocabulary distillation head cannot, and says so."""
+    from trainer.config import LossSettings
+
+    moe_dir = init_model(tmp_path / "moe", TINY_MOE)
+    loss = LossSettings(distill_loss_coef=1.0, distill_loss_estimator="full_rkl")
+    with pytest.raises(TrainerError, match="does not run under sequence parallelism"):
+        make_trainer_group(moe_dir, SETTINGS.model_copy(update={"loss": loss}), tp=2, dp=1, device="cpu")
+
+
 def test_data_parallel_2_matches_one_rank(tiny_dir: Path, reference: dict) -> None:
     group = make_trainer_group(tiny_dir, SETTINGS, tp=1, dp=2, device="cpu")
     pids = group.pids()

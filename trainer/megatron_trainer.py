@@ -109,6 +109,12 @@ class MegatronTrainer:
             )
             scheduled = self.optimizer
         self.model.train()
+        loss = settings.loss
+        if self.tp_size > 1 and self.spec.is_moe and loss.distill_loss_estimator in registry.FULL_VOCAB_ESTIMATORS:
+            raise ValueError(  # their chunked head reads each rank's hidden states as whole sequences
+                f"trainer.distill_loss_estimator={loss.distill_loss_estimator} does not run under sequence "
+                "parallelism (a mixture-of-experts model with trainer.tp > 1): use trainer.tp=1 and trainer.dp"
+            )
         self.packing = settings.packing and supports_packing(model)
         """Whether micro-batches are packed (``settings.packing``, unless the layer spec cannot attend packed)."""
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, partial(lr_factor, settings=settings))
