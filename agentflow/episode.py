@@ -70,7 +70,9 @@ async def run_episode(
     return traj
 
 
-async def _play(engine, tokenizer, env, spec, sampling, max_len, traj: Trajectory, context, recycle, unfinished):
+async def _play(
+    engine, tokenizer, env, spec, sampling, max_len, traj: Trajectory, context, recycle, unfinished
+) -> None:
     obs, info = await env.areset(seed=spec.seed, options={**spec.options, "split": spec.split})
     traj.info.update(task_type=info.get("task_type"), split=spec.split)
     tools = [t.to_openai() for t in env.tools]
