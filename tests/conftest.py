@@ -88,9 +88,10 @@ def require_env(env_id: str) -> None:
         require(found, f"{', '.join(programs)} and the {module} package for {env_id}")
 
 
-def play_episode(env, expert, seed: int, split: str = "train"):
-    """One scripted-expert episode; returns ``(history of (action, observation), final reward, final info)``."""
-    env.reset(seed=seed, options={"split": split})
+def play_episode(env, expert, seed: int, split: str = "train", **options):
+    """One scripted-expert episode (``options``: more ``reset`` options); returns ``(history of (action,
+    observation), final reward, final info)``."""
+    env.reset(seed=seed, options={"split": split, **options})
     history = []
     while True:
         action = expert(env, history)

@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from conftest import require
+from conftest import play_episode, require
 
 import envs
 from envs.checker import check_agent_env
@@ -23,14 +23,8 @@ def env():
 
 def play(env, policy, seed, split="train", task_type=None):
     """One episode of ``policy(env, history)``; returns (history, info)."""
-    env.reset(seed=seed, options={"split": split} | ({"task_type": task_type} if task_type else {}))
-    history = []
-    while True:
-        action = policy(env, history)
-        obs, _, terminated, truncated, info = env.step(action)
-        history.append((action, obs))
-        if terminated or truncated:
-            return history, info
+    history, _, info = play_episode(env, policy, seed, split, **({"task_type": task_type} if task_type else {}))
+    return history, info
 
 
 def faithful(env, history):

@@ -9,7 +9,8 @@ Three patch-free adaptations make megatron-core 0.16.1 run on CPU (docs/decision
 
 Sequence parallelism (an MoE model under TP > 1) needs one patch: megatron's sequence-parallel collectives allocate
 on ``torch.cuda.current_device()``, which a CPU-only build answers with the CPU in trainer processes
-(:func:`_collectives_on_cpu`); the norms are :class:`RMSNorm`, and sequences are padded to a multiple of the TP size.
+(:func:`trainer.layer_specs.collectives_on_cpu`); the norms are ``trainer.layer_specs.RMSNorm``, and sequences are
+padded to a multiple of the TP size. The layer specs and these adaptations live in :mod:`trainer.layer_specs`.
 
 Packed micro-batches (``trainer.batching.Packing``) run in megatron's THD layout: ``PackedSeqParams`` makes RoPE
 restart at every sequence and :class:`SDPACoreAttention` attends within each one (on GPU also TransformerEngine's
@@ -34,12 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from safetensors.torch import save_file
 from torch import Tensor
@@ -48,6 +45,13 @@ from trainer import moe
 from trainer.attention import SDPACoreAttention
 from trainer.batching import Packing, VocabMasks
 from trainer.dist import init_distributed_cpu, is_rank_zero, tp_rank_and_size
+from trainer.layer_specs import (
+    CPURotaryEmbedding,
+    block_spec,
+    collectives_on_cpu,
+    cpu_layer_spec,
+    cuda_layer_spec,
+)
 from transfer_mesh import hf
 from transfer_mesh.layouts import (
     LayoutError,
@@ -88,22 +92,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-
-
-# ------------------------------------------------------------------------------------------- CPU adaptations
-
-
-class CPURotaryEmbedding(RotaryEmbedding):
-    """``RotaryEmbedding`` whose ``get_emb`` keeps ``inv_freq`` on the device it already lives on."""
-
-    def get_emb(self, max_seq_len: int, offset: int = 0) -> Tensor:
-        """RoPE angles ``[s, 1, 1, dim]`` on ``inv_freq``'s device (the base class forces CUDA)."""
-        freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-        if not self.rotary_interleaved:
-            emb = torch.cat((freqs, freqs), dim=-1)
-        else:
-            emb = torch.stack((freqs.view(-1, 1), freqs.view(-1, 1)), dim=-1).view(freqs.shape[0], -1)
-        return emb[:, None, None, :]
 
 
 # ------------------------------------------------------------------------------------------------- building
@@ -174,56 +162,6 @@ def _moe_config(spec: ModelSpec) -> dict[str, object]:
     }
 
 
-class RMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` built the way megatron builds its norms, usable under sequence parallelism (megatron's
-    torch-norm wrapper refuses it): the weight is marked ``sequence_parallel`` then, since each TP rank sees only its
-    share of the tokens and the weight's gradient is summed over the TP group (``trainer.parallel``)."""
-
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
-        super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
-
-
-def cpu_layer_spec(qk_norm: bool = False, num_experts: int | None = None) -> ModuleSpec:
-    """megatron's local GPT layer spec (RMSNorm; per-head q/k RMSNorm with ``qk_norm``; routed experts as a
-    ``SequentialMLP`` with ``num_experts``) with :class:`SDPACoreAttention` as core attention and :class:`RMSNorm`
-    as the norms."""
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, num_experts=num_experts)
-    layer = layer_spec.submodules
-    layer.self_attention.submodules.core_attention = SDPACoreAttention
-    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
-    if qk_norm:
-        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = RMSNorm
-    return layer_spec
-
-
-def block_spec(layer_spec: ModuleSpec, num_layers: int) -> TransformerBlockSubmodules:
-    """Every layer from ``layer_spec``, and :class:`RMSNorm` as the final norm (megatron's default for a bare layer
-    spec is its torch-norm wrapper)."""
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=RMSNorm)
-
-
-def cuda_layer_spec(kind: str = "auto", qk_norm: bool = False, num_experts: int | None = None) -> ModuleSpec:
-    """The GPU layer spec: ``te`` (TransformerEngine), ``local`` (megatron's stock local spec), ``sdpa`` (the CPU spec)
-    or ``auto`` (``te`` when transformer_engine imports, else ``local``)."""
-    if kind == "auto":
-        try:
-            import transformer_engine  # noqa: F401
-
-            kind = "te"
-        except ImportError:
-            kind = "local"
-    if kind == "te":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, num_experts=num_experts)
-    if kind == "local":
-        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm, num_experts=num_experts)
-    if kind == "sdpa":
-        return cpu_layer_spec(qk_norm, num_experts)
-    raise ValueError(f"unknown layer spec {kind!r}; choose auto, te, local or sdpa")
-
-
 def build_gpt_model(
     spec: ModelSpec, seed: int = 0, device: str = "cpu", bf16: bool = False, layer_spec: str = "auto"
 ) -> torch.nn.Module:
@@ -240,7 +178,7 @@ def build_gpt_model(
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
     config = make_transformer_config(spec)
     if config.sequence_parallel:
-        _collectives_on_cpu()
+        collectives_on_cpu()
     layers = cpu_layer_spec(spec.qk_norm, spec.num_experts or None)
     model = GPTModel(
         config=config,
@@ -261,14 +199,6 @@ def build_gpt_model(
     )
     moe.install(model, on_cpu=True)
     return model
-
-
-def _collectives_on_cpu() -> None:
-    """Sequence parallelism on a CPU-only build: megatron's sequence-parallel collectives (and its global buffer)
-    allocate their outputs on ``torch.cuda.current_device()``, which only raises without CUDA; there it names the
-    CPU instead. Nothing changes on a machine with CUDA."""
-    if not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
 
 
 def _build_cuda_model(spec: ModelSpec, seed: int, bf16: bool, layer_spec: str) -> torch.nn.Module:

@@ -111,13 +111,17 @@ def allreduce_grads(params: Iterable[torch.nn.Parameter], group: Any) -> None:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    if not grads:
+    _sum_in_place([p.grad for p in params], group)
+
+
+def _sum_in_place(tensors: list[Tensor], group: Any) -> None:
+    """Sum ``tensors`` over ``group`` in place, in one flat all-reduce."""
+    if not tensors:
         return
-    flat = torch._utils._flatten_dense_tensors(grads)
+    flat = torch._utils._flatten_dense_tensors(tensors)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-        g.copy_(synced)
+    for t, synced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors), strict=True):
+        t.copy_(synced)
 
 
 # ---------------------------------------------------------------------------------- partial gradients under TP
@@ -150,12 +154,7 @@ def allreduce_tp_partial_grads(model: torch.nn.Module, tp_group: Any) -> None:
                 p.grad = torch.zeros_like(p)
             grad = p.grad
         grads.append(grad)
-    if not grads:
-        return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=tp_group)
-    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-        g.copy_(synced)
+    _sum_in_place(grads, tp_group)
 
 
 # -------------------------------------------------------------------------------------------- clipping under TP
