@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import tempfile
 import time
@@ -81,22 +80,23 @@ def sample_episodes(model: Path, episodes: int, seed: int) -> list:
 
 def agreement(trainer, samples: list, replay: bool) -> dict:
     """The trainer's log-probs of the sampled tokens against the engine's behaviour log-probs."""
+    import torch
+
     from trainer import moe
+    from trainer.losses import kl_k3
 
     trainer.settings = trainer.settings.model_copy(update={"routing_replay": replay})
     moe.take_mismatch(trainer.model)
     t0 = time.perf_counter()
     scored = trainer.sample_logprobs(samples)
     seconds = time.perf_counter() - t0
-    k3, diffs = 0.0, []
-    for s, logp in zip(samples, scored, strict=True):
-        for m, b, t in zip(s.loss_mask, s.behaviour_logprobs, logp, strict=True):
-            if m:
-                d = t - b
-                k3 += math.expm1(d) - d
-                diffs.append(abs(d))
-    out = {"tokens": len(diffs), "k3_kl": k3 / max(len(diffs), 1), "max_abs_logprob_diff": max(diffs, default=0.0),
-           "mean_abs_logprob_diff": sum(diffs) / max(len(diffs), 1), "score_s": seconds}  # fmt: skip
+    pairs = [(b, t) for s, logp in zip(samples, scored, strict=True)
+             for m, b, t in zip(s.loss_mask, s.behaviour_logprobs, logp, strict=True) if m]  # fmt: skip
+    behaviour, mine = torch.tensor(pairs, dtype=torch.float64).T
+    gap = (mine - behaviour).abs()
+    out = {"tokens": len(pairs), "k3_kl": float(kl_k3(behaviour - mine).mean()),
+           "max_abs_logprob_diff": float(gap.max()), "mean_abs_logprob_diff": float(gap.mean()),
+           "score_s": seconds}  # fmt: skip
     if trainer.spec.is_moe:
         differing, compared = moe.take_mismatch(trainer.model)
         out.update(routing_mismatch=differing / max(compared, 1), routings_compared=compared)

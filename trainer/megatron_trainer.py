@@ -38,6 +38,7 @@ from trainer.model import (
     token_logprobs,
     token_logprobs_and_entropy,
     token_logprobs_at,
+    unwrap_model,
 )
 from trainer.parallel import ParallelAdamW, allreduce_grads, allreduce_sum, allreduce_tp_partial_grads, shard_for_dp
 from trainer.types import LossSettings, Sample, TrainerSettings
@@ -83,7 +84,6 @@ class MegatronTrainer:
         from megatron.core import parallel_state
 
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_rank, self.dp_size = dp_rank_and_size()
         self.last_dp_shard: list[int] = []
@@ -109,8 +109,10 @@ class MegatronTrainer:
             )
             scheduled = self.optimizer
         self.model.train()
+        self.sequence_parallel = bool(unwrap_model(model).config.sequence_parallel)
+        """Hidden states split along the sequence over the TP ranks (an MoE model under TP)."""
         loss = settings.loss
-        if self.tp_size > 1 and self.spec.is_moe and loss.distill_loss_estimator in registry.FULL_VOCAB_ESTIMATORS:
+        if self.sequence_parallel and loss.distill_loss_estimator in registry.FULL_VOCAB_ESTIMATORS:
             raise ValueError(  # their chunked head reads each rank's hidden states as whole sequences
                 f"trainer.distill_loss_estimator={loss.distill_loss_estimator} does not run under sequence "
                 "parallelism (a mixture-of-experts model with trainer.tp > 1): use trainer.tp=1 and trainer.dp"
@@ -180,7 +182,7 @@ class MegatronTrainer:
             metrics.update(plan.stats)
         if self.spec.is_moe:
             counts = moe.take_mismatch(self.model)
-            if self.tp_size > 1:  # sequence parallel: each TP rank routed its share
+            if self.sequence_parallel:  # each TP rank routed its share of the tokens
                 counts = tuple(int(allreduce_sum(float(n), self.tp_group)) for n in counts)
             differing, compared = (self._dp_sum(float(n)) for n in counts)
             if compared:
