@@ -371,7 +371,8 @@ def _logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor | 
     if input_ids.device != device:
         input_ids = input_ids.to(device)
     pad = -s % _sequence_multiple(model)  # padding after the last position changes no earlier one (causal)
-    input_ids = F.pad(input_ids, (0, pad))
+    if pad:
+        input_ids = F.pad(input_ids, (0, pad))
     position_ids = torch.arange(s + pad, device=input_ids.device).unsqueeze(0).expand(b, s + pad)
     logits = model(input_ids, position_ids, attention_mask=None)
     return logits[:, :s].float()
