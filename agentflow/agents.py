@@ -189,7 +189,6 @@ def agent_from_config(cfg: Any) -> BaseAgent:
     """The job's agent from its ``agent`` and ``rollout`` sections."""
     a = cfg.agent
     settings = {"context": a.context, "unfinished_turn": a.unfinished_turn, "entry": a.entry, "command": a.command,
-                "timeout_s": a.timeout_s,
-                "model_name": a.model_name, "recycle": cfg.rollout.partial == "recycle",
+                "timeout_s": a.timeout_s, "model_name": a.model_name, "recycle": cfg.rollout.partial == "recycle",
                 "train_side_calls": a.train_side_calls, **a.kwargs}  # fmt: skip
     return make_agent(a.type, **settings)
