@@ -190,7 +190,7 @@ async def _trainer_engine_pool(
         stack.callback(pool.close)
         return trainer, engine, pool, runtime
     tr = cfg.trainer
-    trainer = await asyncio.to_thread(make_trainer_group, policy_dir, settings, tp=tr.tp, dp=tr.dp)
+    trainer = await asyncio.to_thread(make_trainer_group, policy_dir, settings, tp=tr.tp, dp=tr.dp, ep=tr.ep)
     stack.callback(trainer.close)
     engine = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed)
     stack.callback(engine.close)

@@ -186,10 +186,10 @@ class TrainerActor:
     controller-side :class:`RayTrainerGroup` keeps the version without another round trip.
     """
 
-    def __init__(self, model_dir: str, settings: Any, tp: int, dp: int) -> None:
+    def __init__(self, model_dir: str, settings: Any, tp: int, dp: int, ep: int = 1) -> None:
         from trainer.launcher import make_trainer_group
 
-        self.group = make_trainer_group(model_dir, settings, tp=tp, dp=dp)
+        self.group = make_trainer_group(model_dir, settings, tp=tp, dp=dp, ep=ep)
 
     def _out(self, result: Any) -> tuple[Any, int]:
         return result, self.group.version
@@ -491,7 +491,7 @@ class RayRuntime:
 
     def trainer(self, model_dir: Path, settings: Any) -> RayTrainerGroup:
         tr = self.cfg.trainer
-        actor = ray.remote(TrainerActor).options(**self._opts(0)).remote(str(model_dir), settings, tr.tp, tr.dp)
+        actor = ray.remote(TrainerActor).options(**self._opts(0)).remote(str(model_dir), settings, tr.tp, tr.dp, tr.ep)
         return RayTrainerGroup(actor)
 
     def engine(self, model_dir: Path) -> RayEngine:

@@ -24,6 +24,7 @@ def test_yaml_plus_overrides(tmp_path):
         ("run.mode=fast", "config key 'run.mode': Input should be 'async', 'one_step' or 'sync'"),
         ("rollout.top_p=0", "config key 'rollout.top_p'"),
         ("steps", "override 'steps' is not key=value"),
+        ("trainer.ep=2", "ep=2 must divide tp=1"),
     ],
 )
 def test_bad_keys_and_types_give_one_line_errors(override, message):

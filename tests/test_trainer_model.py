@@ -185,19 +185,23 @@ _TP_WORKER = """
 import sys, torch
 torch.set_num_threads(1)
 from trainer.model import *
-init_distributed_cpu(tp=2)
+from trainer.dist import init_distributed
+init_distributed(tp=2, backend="gloo", ep=int(sys.argv[4]))
 spec, state = load_hf_dir(sys.argv[1])
 model = build_gpt_model(spec)
 load_into_model(model, state, spec)
+if int(sys.argv[4]) > 1:  # each rank holds its own experts, whole
+    local = [n for n in model_parameters(model) if "local_experts" in n]
+    assert len(local) == spec.num_hidden_layers * 2 * spec.num_experts // 2, local
 ids = torch.load(sys.argv[2])
 logp, entropy = token_logprobs_and_entropy(model, ids)
 (-logp.mean()).backward()
 from megatron.core import parallel_state
-from trainer.model import _gather_tp, model_parameters
+from trainer.model import full_megatron_state, model_parameters
 from trainer.parallel import allreduce_tp_partial_grads
 allreduce_tp_partial_grads(model, parallel_state.get_tensor_model_parallel_group())
 assert all(torch.isfinite(p.grad).all() for p in model.parameters())
-grads = {n: _gather_tp(n, p.grad, 2) for n, p in model_parameters(model).items()}  # collective
+grads = full_megatron_state(model, spec, {n: p.grad for n, p in model_parameters(model).items()})  # collective
 for n, g in grads.items():  # every rank holds the same whole gradient
     peers = [torch.empty_like(g) for _ in range(2)]
     torch.distributed.all_gather(peers, g.contiguous())
@@ -230,10 +234,13 @@ if torch.distributed.get_rank() == 0:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hf_dir", ["qwen2", "qwen3", "qwen3_moe"], indirect=True)
-def test_tensor_parallel_2_matches_hf(hf_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("hf_dir", "ep"), [("qwen2", 1), ("qwen3", 1), ("qwen3_moe", 1), ("qwen3_moe", 2)], indirect=["hf_dir"]
+)
+def test_tensor_parallel_2_matches_hf(hf_dir: Path, ep: int, tmp_path: Path) -> None:
     """TP=2 under torchrun (2 gloo ranks): shard load, vocab-parallel log-probs, gathered export, and the gradient
-    of every parameter equal to TP=1's (Qwen3-MoE: under sequence parallelism, 17 positions padded to 18)."""
+    of every parameter equal to TP=1's (Qwen3-MoE: under sequence parallelism, 17 positions padded to 18; with
+    ``ep=2`` each rank holds two of the four experts whole)."""
     import os
     import subprocess
     import sys
@@ -247,7 +254,7 @@ def test_tensor_parallel_2_matches_hf(hf_dir: Path, tmp_path: Path) -> None:
     from trainer.dist import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"]
-    cmd += [str(tmp_path / "worker.py"), str(hf_dir), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")]
+    cmd += [str(tmp_path / "worker.py"), str(hf_dir), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt"), str(ep)]
     # own session: on a timeout the whole group (torchrun and its worker ranks) is killed, nothing is left behind
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,48 @@ def test_tensor_parallel_2_matches_one_rank(tiny_dir: Path, reference: dict, tmp
         assert group.version == 1
 
 
+def _check_ep_shards(shards: list[dict[str, torch.Tensor]], full: dict[str, torch.Tensor], ep: int) -> None:
+    """Under TP=ep: rank r holds experts r*n/ep .. (r+1)*n/ep - 1 whole, under local indices; the rest as under TP."""
+    experts = re.compile(r"^(.*local_experts\.)(\d+)(\..+)$")
+    for rank, mine in enumerate(shards):
+        seen = set()
+        for name, tensor in full.items():
+            m = experts.match(name)
+            if m is None:
+                assert (mine[name] - split_for_tp(name, tensor, ep, rank)).abs().max().item() < TOL, (name, rank)
+                seen.add(name)
+                continue
+            owner, j = divmod(int(m.group(2)), TINY_MOE.num_experts // ep)
+            if owner == rank:
+                local = f"{m.group(1)}{j}{m.group(3)}"
+                assert (mine[local] - tensor).abs().max().item() < TOL, (name, rank)
+                seen.add(local)
+        assert seen == set(mine), set(mine) - seen
+
+
+def test_expert_parallel_2_matches_one_rank(tiny_dir: Path, reference: dict, tmp_path: Path) -> None:
+    """TP=2 with EP=2: each rank holds half of the experts whole; loss, clipped step and weights as one rank's. A
+    dense model with ``ep`` > 1 is refused."""
+    spec, full = _full_megatron(tiny_dir)
+    if not spec.is_moe:
+        with pytest.raises(TrainerError, match="expert parallelism .* needs a mixture-of-experts model"):
+            make_trainer_group(tiny_dir, SETTINGS, tp=2, dp=1, ep=2, device="cpu")
+        return
+    with make_trainer_group(tiny_dir, SETTINGS, tp=2, dp=1, ep=2, device="cpu") as group:
+        _check_ep_shards(group.call_all("rank_shards"), full, 2)
+        assert abs(group.eval_nll(_batch()) - reference["nll"]) < TOL
+        metrics = group.train_step(_batch(), "sft")
+        weights = group.export_weights()
+        _check_same_step(metrics, weights, reference)
+        _check_hf_dir(group.save_hf(tmp_path / "hf"), weights)
+        _check_ep_shards(group.call_all("rank_shards"), hf_to_megatron(weights, spec), 2)
+        group.save_checkpoint(str(tmp_path / "ck.pt"), {"trained_ids": ["a"]})
+        assert group.load_checkpoint(str(tmp_path / "ck.pt")) == {"trained_ids": ["a"]}
+        assert _max_diff(group.export_weights(), weights) == 0.0
+    with pytest.raises(ValueError, match="ep=2 must divide tp=1"):
+        make_trainer_group(tiny_dir, SETTINGS, tp=1, dp=2, ep=2, device="cpu")
+
+
 def test_what_sequence_parallelism_cannot_run_is_refused(tmp_path: Path) -> None:
     """Under TP an MoE model runs sequence-parallel; the full-vocabulary distillation head cannot, and says so."""
     from trainer.config import LossSettings
@@ -178,6 +221,13 @@ def test_tp2_dp2_matches_one_rank(tiny_dir: Path, reference: dict) -> None:
         assert [(i["tp_rank"], i["dp_rank"]) for i in info] == [(0, 0), (1, 0), (0, 1), (1, 1)]
         assert info[0]["last_dp_shard"] == info[1]["last_dp_shard"] != info[2]["last_dp_shard"]
         assert set(info[0]["last_dp_shard"]) | set(info[2]["last_dp_shard"]) == set(range(6))
+    if spec.is_moe:  # experts spread over each TP group; their gradients summed over DP like the rest
+        with make_trainer_group(tiny_dir, SETTINGS, tp=2, dp=2, ep=2, device="cpu") as group:
+            shards = group.call_all("rank_shards")
+            _check_ep_shards(shards[:2], full, 2)
+            _check_ep_shards(shards[2:], full, 2)
+            metrics = group.train_step(_batch(), "sft")
+            _check_same_step(metrics, group.export_weights(), reference)
 
 
 # ---------------------------------------------------------------------------------------------- no processes

@@ -135,12 +135,18 @@ class TrainerConfig(OptimFields, LossFields):
     """Tensor-parallel ranks of the trainer (processes launched by the trainer group itself)."""
     dp: int = Field(1, ge=1)
     """Data-parallel ranks of the trainer."""
+    ep: int = Field(1, ge=1)
+    """Expert-parallel ranks (a mixture-of-experts model): each TP group's ranks hold ``num_experts / ep`` whole
+    experts apiece, each expert TP-split over ``tp / ep`` ranks. Must divide ``tp``: expert parallelism lives inside
+    the TP group, whose ranks see the same tokens."""
 
     _registered_loss = field_validator("loss")(_registered_name)
 
     @model_validator(mode="after")
     def _loss_options(self) -> TrainerConfig:
         self._check_with(self.loss)
+        if self.tp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide tp={self.tp}: experts are spread over a TP group's ranks")
         return self
 
     def loss_settings(self, **signals: object) -> LossSettings:

@@ -53,11 +53,15 @@ def init_process_group_cpu() -> None:
     init_process_group("gloo")
 
 
-def init_distributed(tp: int = 1, dp: int | None = None, backend: str | None = None) -> None:
-    """Initialize torch.distributed and megatron's model-parallel state (TP=tp, PP=1, DP=world/tp).
+def init_distributed(tp: int = 1, dp: int | None = None, backend: str | None = None, ep: int = 1) -> None:
+    """Initialize torch.distributed and megatron's model-parallel state (TP=tp, PP=1, DP=world/tp, EP=ep).
 
-    ``dp`` (optional) is checked against the world size: ``tp * dp`` must equal it. Idempotent for the same ``tp``;
-    megatron's parallel state is process-global, so a different ``tp`` after the first call raises RuntimeError.
+    ``dp`` (optional) is checked against the world size: ``tp * dp`` must equal it. ``ep`` spreads a mixture-of-experts
+    model's experts over ``ep`` ranks of each TP group, each expert TP-split over the other ``tp / ep`` (megatron's
+    expert tensor parallelism): the ranks of one expert-parallel group see the same tokens, so every rank runs the
+    same number of forward passes of the same length, as megatron's token exchange needs, and experts' gradients are
+    summed over the DP group like every other parameter's. Idempotent for the same ``tp`` and ``ep``; megatron's
+    parallel state is process-global, so a different one after the first call raises RuntimeError.
     """
     from megatron.core import parallel_state
 
@@ -67,12 +71,22 @@ def init_distributed(tp: int = 1, dp: int | None = None, backend: str | None = N
         raise RuntimeError(f"tensor-parallel size {tp} does not divide the world size {world}")
     if dp is not None and tp * dp != world:
         raise RuntimeError(f"tp={tp} x dp={dp} = {tp * dp} ranks, but the world has {world}")
+    if ep < 1 or tp % ep:
+        raise RuntimeError(f"expert-parallel size {ep} does not divide the tensor-parallel size {tp}")
     if parallel_state.model_parallel_is_initialized():
-        current = parallel_state.get_tensor_model_parallel_world_size()
-        if current != tp:
-            raise RuntimeError(f"model parallel state already initialized with tp={current}, asked for tp={tp}")
+        current = (parallel_state.get_tensor_model_parallel_world_size(), ep_rank_and_size()[1])
+        if current != (tp, ep):
+            raise RuntimeError(
+                f"model parallel state already initialized with tp={current[0]} ep={current[1]}, asked for tp={tp} "
+                f"ep={ep}"
+            )
         return
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp // ep,
+    )
 
 
 def init_distributed_cpu(tp: int = 1) -> None:
@@ -89,6 +103,20 @@ def tp_rank_and_size() -> tuple[int, int]:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def ep_rank_and_size() -> tuple[int, int]:
+    """This process's expert-parallel rank and the EP world size (megatron's parallel state must be initialized)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+
+
+def etp_rank_and_size() -> tuple[int, int]:
+    """This process's expert-tensor-parallel rank and size: the ranks each expert is TP-split over (``tp / ep``)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
 
 
 def dp_rank_and_size() -> tuple[int, int]:

@@ -9,7 +9,7 @@ megatron parallel state. Calls are synchronous request/response; an exception in
   over 127.0.0.1 on a free port (gloo on CPU, NCCL on GPUs), megatron parallel state TP=tp, DP=dp. Every command
   goes to every rank over its own pipe (collectives need all ranks); rank 0's answer is the result. Each rank runs in
   its own session and exits when the controller dies; close() and any failure kill every rank's process group.
-- :func:`make_trainer_group`: the right one for ``tp`` x ``dp``.
+- :func:`make_trainer_group`: the right one for ``tp`` x ``dp`` (and ``ep``, expert parallelism inside TP).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def _serve(
     tp: int = 1,
     dp: int = 1,
     device: str | None = None,
+    ep: int = 1,
 ) -> None:
     """A trainer process: build the trainer, then answer ``(method, args, kwargs[, want_result])`` until close/EOF.
 
@@ -92,7 +93,7 @@ def _serve(
         if rank_env is None and device is None:
             trainer = MegatronTrainer(model_dir, settings)
         else:
-            trainer = MegatronTrainer(model_dir, settings, tp=tp, dp=dp, device=device)
+            trainer = MegatronTrainer(model_dir, settings, tp=tp, dp=dp, device=device, ep=ep)
         conn.send(("ok", trainer.version))
     except Exception:
         conn.send(("err", traceback.format_exc()))
@@ -252,11 +253,14 @@ class ParallelTrainerGroup(_TrainerCalls):
         device: str | None = None,
         start_timeout: float = 300.0,
         grace_s: float = 30.0,
+        ep: int = 1,
     ) -> None:
         from trainer.dist import free_port
 
         if tp < 1 or dp < 1:
             raise ValueError(f"tp and dp must be >= 1, got tp={tp} dp={dp}")
+        if ep < 1 or tp % ep:
+            raise ValueError(f"ep={ep} must divide tp={tp}: experts are spread over the ranks of a TP group")
         self.tp, self.dp, self.world = tp, dp, tp * dp
         self.grace_s = grace_s
         self._conns: list[Connection] = []
@@ -269,7 +273,7 @@ class ParallelTrainerGroup(_TrainerCalls):
                 env = {"RANK": str(rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(rank)}
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
                 parent, child = ctx.Pipe()
-                args = (child, str(model_dir), settings, env, tp, dp, device)
+                args = (child, str(model_dir), settings, env, tp, dp, device, ep)
                 proc = ctx.Process(target=_serve, args=args, daemon=True, name=f"trainer-rank{rank}")
                 proc.start()
                 child.close()
@@ -392,10 +396,11 @@ class ParallelTrainerGroup(_TrainerCalls):
 
 
 def make_trainer_group(
-    model_dir: str | Path, settings: TrainerSettings, tp: int = 1, dp: int = 1, **kwargs: Any
+    model_dir: str | Path, settings: TrainerSettings, tp: int = 1, dp: int = 1, ep: int = 1, **kwargs: Any
 ) -> LocalTrainerGroup | ParallelTrainerGroup:
-    """A :class:`LocalTrainerGroup` for 1 x 1, else a :class:`ParallelTrainerGroup` of ``tp * dp`` ranks."""
-    if tp == 1 and dp == 1:
+    """A :class:`LocalTrainerGroup` for 1 x 1, else a :class:`ParallelTrainerGroup` of ``tp * dp`` ranks (``ep`` of
+    each TP group's ranks holding a mixture-of-experts model's experts)."""
+    if tp == 1 and dp == 1 and ep == 1:
         kwargs.pop("grace_s", None)
         return LocalTrainerGroup(model_dir, settings, **kwargs)
-    return ParallelTrainerGroup(model_dir, settings, tp=tp, dp=dp, **kwargs)
+    return ParallelTrainerGroup(model_dir, settings, tp=tp, dp=dp, ep=ep, **kwargs)

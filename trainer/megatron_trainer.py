@@ -68,6 +68,7 @@ class MegatronTrainer:
         device: str | None = None,
         bf16: bool = False,
         layer_spec: str = "auto",
+        ep: int = 1,
     ) -> None:
         """Load ``model_dir`` into a megatron ``GPTModel`` on this rank.
 
@@ -76,11 +77,12 @@ class MegatronTrainer:
         the model is wrapped in Megatron's DDP and stepped by its distributed optimizer (``trainer.gpu``; run on
         one GPU in fp32 with the local spec); on CPU by AdamW whose ``clip_grad_norm_`` uses the global norm under
         TP. ``bf16`` and ``layer_spec`` (``auto``: TransformerEngine when installed, else megatron's local spec; see
-        ``trainer.model``): CUDA only.
+        ``trainer.model``): CUDA only. ``ep``: a mixture-of-experts model's experts spread over ``ep`` ranks of each TP
+        group (:func:`trainer.dist.init_distributed`).
         """
         torch.set_num_threads(settings.threads)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        init_distributed(tp=tp, dp=dp, backend="nccl" if self.device == "cuda" else "gloo")
+        init_distributed(tp=tp, dp=dp, backend="nccl" if self.device == "cuda" else "gloo", ep=ep)
         from megatron.core import parallel_state
 
         self.tp_group = parallel_state.get_tensor_model_parallel_group()

@@ -28,6 +28,7 @@ come back on the inputs' device. The CPU path is unchanged.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from torch import Tensor
 from trainer import moe
 from trainer.attention import SDPACoreAttention
 from trainer.batching import Packing, VocabMasks
-from trainer.dist import init_distributed_cpu, is_rank_zero, tp_rank_and_size
+from trainer.dist import ep_rank_and_size, etp_rank_and_size, init_distributed_cpu, is_rank_zero, tp_rank_and_size
 from trainer.layer_specs import (
     CPURotaryEmbedding,
     block_spec,
@@ -70,6 +71,7 @@ __all__ = [
     "SDPACoreAttention",
     "build_gpt_model",
     "export_hf_state",
+    "full_megatron_state",
     "init_distributed_cpu",
     "load_hf_dir",
     "load_into_model",
@@ -145,10 +147,18 @@ def _moe_config(spec: ModelSpec) -> dict[str, object]:
     """Megatron's MoE settings for a Qwen3-MoE spec (nothing for a dense one): softmax router in fp32, top-k; the
     softmax before the top-k keeps the full softmax's probabilities, after it renormalises them over the chosen
     experts (``norm_topk_prob``). No load-balancing loss (RL and distillation do not add one), the all-gather
-    dispatcher (the all-to-all one needs CUDA streams), no grouped GEMM (each expert is a plain MLP)."""
+    dispatcher (the all-to-all one needs CUDA streams), no grouped GEMM (each expert is a plain MLP). Expert
+    parallelism as :func:`trainer.dist.init_distributed` set it up."""
+    ep = ep_rank_and_size()[1]
     if not spec.is_moe:
+        if ep > 1:
+            raise ValueError(f"expert parallelism (ep={ep}) needs a mixture-of-experts model; this one is dense")
         return {}
+    if spec.num_experts % ep:
+        raise ValueError(f"{spec.num_experts} experts cannot be spread evenly over ep={ep} expert-parallel ranks")
     return {
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": etp_rank_and_size()[1],
         "num_moe_experts": spec.num_experts,
         "moe_router_topk": spec.num_experts_per_tok,
         "moe_ffn_hidden_size": spec.moe_intermediate_size,
@@ -282,32 +292,87 @@ def model_parameters(model: torch.nn.Module) -> dict[str, Tensor]:
     return out
 
 
+#: A routed expert's parameter: (prefix, expert index, suffix). Global names index experts 0..num_experts-1; a
+#: rank's own parameters index its local experts 0..num_experts/ep-1 (megatron's ``SequentialMLP``).
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
+def _placement(name: str, spec: ModelSpec) -> tuple[str, int, int] | None:
+    """Where this rank holds the global megatron parameter ``name``: ``(local name, split size, split rank)`` (a
+    routed expert is split over the expert-TP ranks, the rest over TP), or None when another EP rank holds it."""
+    m = _EXPERT.match(name)
+    if m is None:
+        rank, size = tp_rank_and_size()
+        return name, size, rank
+    ep_rank, ep = ep_rank_and_size()
+    owner, j = divmod(int(m.group(2)), spec.num_experts // ep)
+    if owner != ep_rank:
+        return None
+    etp_rank, etp = etp_rank_and_size()
+    return f"{m.group(1)}{j}{m.group(3)}", etp, etp_rank
+
+
 def load_into_model(model: torch.nn.Module, hf_state: dict[str, Tensor], spec: ModelSpec) -> None:
-    """Copy a full HF state into the model (this rank's TP shard), casting to the parameters' dtype."""
+    """Copy a full HF state into the model (this rank's TP shard and, under EP, its experts), casting to the
+    parameters' dtype."""
     full = hf_to_megatron(hf_state, spec)
     params = model_parameters(model)
-    rank, size = tp_rank_and_size()
-    problems = [f"model has no parameter {n}" for n in full if n not in params]
-    problems += [f"no value for model parameter {n}" for n in params if n not in full]
+    placed = {}
+    for name, tensor in full.items():
+        where = _placement(name, spec)
+        if where is not None:
+            placed[where[0]] = (name, tensor, where[1], where[2])
+    problems = [f"model has no parameter {n}" for n in placed if n not in params]
+    problems += [f"no value for model parameter {n}" for n in params if n not in placed]
     if problems:
         raise LayoutError("; ".join(problems))
     with torch.no_grad():
-        for name, tensor in full.items():
+        for local, (name, tensor, size, rank) in placed.items():
             shard = split_for_tp(name, tensor, size, rank)
-            if shard.shape != params[name].shape:
-                raise LayoutError(f"{name}: shard shape {tuple(shard.shape)} != parameter {tuple(params[name].shape)}")
-            params[name].copy_(shard)
+            if shard.shape != params[local].shape:
+                raise LayoutError(f"{name}: shard shape {tuple(shard.shape)} != parameter {tuple(params[local].shape)}")
+            params[local].copy_(shard)
 
 
-def _gather_tp(name: str, tensor: Tensor, size: int) -> Tensor:
-    """Full tensor from this rank's TP shard (all-gather over megatron's TP group); replicated -> itself."""
+def _gather_tp(name: str, tensor: Tensor, size: int, group: object = None) -> Tensor:
+    """Full tensor from this rank's shard, all-gathered over ``group`` of ``size`` ranks (default: megatron's TP
+    group); a replicated tensor is returned as it is."""
     if size == 1 or tp_split_dim(name) is None:
         return tensor
     from megatron.core import parallel_state
 
+    group = group or parallel_state.get_tensor_model_parallel_group()
     shards = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(shards, tensor.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    dist.all_gather(shards, tensor.contiguous(), group=group)
     return merge_from_tp(name, shards)
+
+
+def full_megatron_state(
+    model: torch.nn.Module, spec: ModelSpec, values: dict[str, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """The whole model's tensors under global megatron names, gathered from every rank: its parameters, or
+    ``values`` (tensors shaped like them, such as their gradients, by the rank's own names). Collective under TP."""
+    from megatron.core import parallel_state
+
+    expected = megatron_shapes(spec)
+    tp, ep, etp = tp_rank_and_size()[1], ep_rank_and_size()[1], etp_rank_and_size()[1]
+    out = {}
+    for name, param in model_parameters(model).items():
+        tensor = (param if values is None else values[name]).detach()
+        m = _EXPERT.match(name)
+        if m is None:
+            if name in expected:
+                out[name] = _gather_tp(name, tensor, tp)
+            continue
+        whole = _gather_tp(name, tensor, etp, parallel_state.get_expert_tensor_parallel_group())
+        peers = [whole]
+        if ep > 1:  # each EP rank holds other experts: gather them all
+            peers = [torch.empty_like(whole) for _ in range(ep)]
+            dist.all_gather(peers, whole.contiguous(), group=parallel_state.get_expert_model_parallel_group())
+        local = spec.num_experts // ep
+        for owner, tensor in enumerate(peers):
+            out[f"{m.group(1)}{owner * local + int(m.group(2))}{m.group(3)}"] = tensor
+    return out
 
 
 def export_hf_state(model: torch.nn.Module, spec: ModelSpec) -> dict[str, Tensor]:
@@ -315,13 +380,7 @@ def export_hf_state(model: torch.nn.Module, spec: ModelSpec) -> dict[str, Tensor
 
     Collective under TP > 1 (every TP rank must call it).
     """
-    size = tp_rank_and_size()[1]
-    expected = megatron_shapes(spec)
-    full = {}
-    for name, param in model_parameters(model).items():
-        if name in expected:
-            full[name] = _gather_tp(name, param.detach(), size)
-    hf = megatron_to_hf(full, spec)
+    hf = megatron_to_hf(full_megatron_state(model, spec), spec)
     return {name: _cpu_fp32_copy(t) for name, t in hf.items()}
 
 

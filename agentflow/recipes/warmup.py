@@ -131,7 +131,9 @@ def cache_key(cfg: JobConfig, base_dir: Path) -> str:
 
 
 IMITATION_TRAINER_KEYS = {"seed", "weight_decay", "grad_clip", "micro_batch_tokens", "tp", "dp"}
-"""The ``trainer`` settings an imitation phase takes from the job (its lr, schedule and threads are its own)."""
+"""The ``trainer`` settings an imitation phase takes from the job (its lr, schedule and threads are its own). It also
+runs with the job's ``ep``, which is left out of the cache key: spreading experts over ranks changes the result no
+more than rounding does."""
 
 
 def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str], None] = print) -> Path:
@@ -178,7 +180,7 @@ def imitate(
     settings = trainer_settings(
         cfg, lr=how.lr, threads=how.threads, warmup_steps=warm, decay_steps=steps - warm, temperature=1.0
     )
-    group = make_trainer_group(base_dir, settings, tp=cfg.trainer.tp, dp=cfg.trainer.dp)
+    group = make_trainer_group(base_dir, settings, tp=cfg.trainer.tp, dp=cfg.trainer.dp, ep=cfg.trainer.ep)
     try:
         return train_epochs(group, train, val, how, cfg.trainer.seed, out, log)
     finally:
