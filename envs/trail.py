@@ -1,7 +1,7 @@
 """``agentflow/Trail-v0``: a long-horizon shell task: follow a trail of notes through the sandbox to a code.
 
 Each episode's sandbox workdir holds a trail of note files. ``start.txt`` begins it; every note has a few lines of
-log text and, last, a pointer to the next note (``next: 4172.txt``). The last note holds the code to answer
+words and, last, a pointer to the next note (``next: 4172.txt``). The last note holds the code to answer
 (``code: 7``). The agent has one tool, ``sh(command)``, run in the real sandbox; each note is one ``cat``, so an
 episode takes as many turns as the trail has notes, and its context grows by a note per turn.
 
@@ -84,11 +84,10 @@ def misread(digits: str, salt: int) -> str:
 
 
 def _filler(rng: random.Random) -> list[str]:
-    """Two to four lines of log text (what makes the context grow note by note)."""
-    return [
-        f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d} " + " ".join(rng.choice(_WORDS) for _ in range(4))
-        for _ in range(rng.randint(2, 4))
-    ]
+    """Five to eight lines of words (what makes the context grow note by note). No digits: with digits in the text
+    (log timestamps, as an earlier design had) the pointer's digits were not the only ones to copy from, and whether
+    the warm-up learned to copy them at all depended on the draw of the initial weights and tokenizer."""
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 6))) for _ in range(rng.randint(5, 8))]
 
 
 class _TrailBuilder:
