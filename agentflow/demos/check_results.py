@@ -49,7 +49,7 @@ RESULTS = {
     "rl-seed1": Result("rl", "configs/demo.yaml", SEED1),
     "blackbox-seed0": Result("rl", "configs/demo-blackbox.yaml"),
     "agentic-seed0": Result("rl", "configs/agentic.yaml"),
-    "agentic-seed1": Result("rl", "configs/agentic.yaml", SEED1[1:]),  # seed 0's warm-up (it takes 12 minutes)
+    "agentic-seed1": Result("rl", "configs/agentic.yaml", SEED1[1:]),  # seed 0's warm-up (it takes about 17 minutes)
     "moe-seed0": Result("rl", "configs/demo-moe.yaml"),
     "moe-seed1": Result("rl", "configs/demo-moe.yaml", SEED1),
     "distill-seed0": Result("distill", "configs/distill.yaml"),
