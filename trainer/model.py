@@ -370,8 +370,8 @@ def full_megatron_state(
             peers = [torch.empty_like(whole) for _ in range(ep)]
             dist.all_gather(peers, whole.contiguous(), group=parallel_state.get_expert_model_parallel_group())
         local = spec.num_experts // ep
-        for owner, tensor in enumerate(peers):
-            out[f"{m.group(1)}{owner * local + int(m.group(2))}{m.group(3)}"] = tensor
+        for owner, expert in enumerate(peers):
+            out[f"{m.group(1)}{owner * local + int(m.group(2))}{m.group(3)}"] = expert
     return out
 
 
