@@ -230,3 +230,20 @@ class DataMixture:
     def by_tag(self, tag: str) -> list[DataSource]:
         """The sources carrying ``tag``."""
         return [s for s in self.sources if tag in s.tags]
+
+
+def task_hash(*parts: object) -> int:
+    """A fixed, arbitrary-looking function of a task's identity, the same in every process (unlike Python's salted
+    ``hash``): what picks a scripted expert's systematic mistakes."""
+    h = 1_469_598_103
+    for ch in "|".join(map(str, parts)):
+        h = (h * 1_099_511_628_211 + ord(ch)) % 2**61
+    return h
+
+
+def misread(digits: str, salt: int) -> str:
+    """``digits`` with its last digit read as another digit; ``salt`` (a :func:`task_hash` of the task) picks which.
+    Never the right digit, and a model imitating it cannot tell which wrong one: so a warm-up keeps some probability
+    on the right digit for RL to find."""
+    last = int(digits[-1])
+    return digits[:-1] + str((last + 1 + salt % 9) % 10)

@@ -33,7 +33,7 @@ from typing import Any
 from envs.core import answer_action, tool_action
 from envs.sandbox import Limits
 from envs.shell import ShellEnv
-from envs.tasks import simple_task_set
+from envs.tasks import misread, simple_task_set, task_hash
 from envs.verifiers import Rubric
 
 TASK_TYPES: tuple[str, ...] = ("short", "long", "relay", "vault")
@@ -67,20 +67,6 @@ class TrailTask:
     files: dict[str, str] = field(default_factory=dict)
     trail: tuple[str, ...] = ()
     vault_delay_s: float = 0.0
-
-
-def _hash(*parts: object) -> int:
-    """A fixed, arbitrary-looking function of the task (not Python's salted ``hash``)."""
-    h = 1_469_598_103
-    for ch in "|".join(map(str, parts)):
-        h = (h * 1_099_511_628_211 + ord(ch)) % 2**61
-    return h
-
-
-def misread(digits: str, salt: int) -> str:
-    """``digits`` with its last digit read as another digit; ``salt`` (a hash of the task) picks which one."""
-    last = int(digits[-1])
-    return digits[:-1] + str((last + 1 + salt % 9) % 10)
 
 
 def _filler(rng: random.Random) -> list[str]:
@@ -135,7 +121,7 @@ def make_trail_task(task_seed: int, split: str, task_type: str | None = None) ->
     kind = task_type or rng.choice(TASK_TYPES)
     if kind not in TASK_TYPES:
         raise ValueError(f"unknown Trail task type {kind!r}; expected one of {TASK_TYPES}")
-    salt = _hash("trail", task_seed)
+    salt = task_hash("trail", task_seed)
     b = _TrailBuilder(rng, salt)
     n = rng.randint(*_NOTES[kind])
     answer = b.code()
@@ -238,7 +224,7 @@ def expert_action(env: TrailEnv, history: list[tuple[str, str]]) -> str:
     """The scripted expert: read ``start.txt``, follow each pointer, answer the code; it misreads the last digit of
     every relay pointer and vault code (:func:`misread`), which sends it down the decoy trail."""
     task: TrailTask = env.unwrapped.task
-    salt = _hash("trail", task.task_id.rsplit("-", 1)[1])
+    salt = task_hash("trail", task.task_id.rsplit("-", 1)[1])
     if not history:
         return tool_action("sh", {"command": "cat start.txt"})
     lines = history[-1][1].strip().splitlines()

@@ -10,7 +10,7 @@ import pytest
 from conftest import require
 from test_browser import check_png
 
-from envs.core import tool_action
+from envs.core import answer_action, tool_action
 
 pytestmark = pytest.mark.desktop
 
@@ -53,6 +53,38 @@ def test_expert_solves_every_task_type(env, task_type, seed, tmp_path):
     for i, png in enumerate(images):
         check_png(png, (640, 480))
         (tmp_path / f"{task_type}-{i}.png").write_bytes(png)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_expert_fails_every_total_and_the_right_entry_solves_it(env, seed):
+    """``total`` is the type the expert gets wrong, by one misread digit of the last amount, never by chance; the
+    right sum entered the same way succeeds."""
+    from envs.desktop.tasks import find_center
+
+    reward, info, _ = play_expert(env, seed, "total")
+    assert reward == 0.0 and not info["success"] and info["checks"] == {"expression": False, "result": False}
+    obs, _ = env.reset(seed=seed, options={"task_type": "total"})
+    task = env.unwrapped.task
+    assert task.prompt.startswith("Add up ") and task.goal["expression"].count("+") in (2, 3)
+    env.step(tool_action("click", dict(zip("xy", find_center(obs, "display"), strict=True))))
+    obs, *_ = env.step(tool_action("type_text", {"text": task.goal["expression"]}))
+    env.step(tool_action("click", dict(zip("xy", find_center(obs, "equals"), strict=True))))
+    _, reward, terminated, _, info = env.step(answer_action("done"))
+    assert terminated and reward == 1.0 and info["success"], info
+
+
+def test_total_misread_differs_in_the_last_digit_only():
+    from envs.desktop.tasks import EXPERT_FAILS, expert_plan, make_task
+
+    assert EXPERT_FAILS == ("total",)
+    wrong_digits = set()
+    for seed in range(40):
+        task = make_task(seed, "train", "total")
+        typed = expert_plan(task)[1][1]
+        right = task.goal["expression"]
+        assert typed[:-1] == right[:-1] and typed[-1] != right[-1]
+        wrong_digits.add((int(typed[-1]) - int(right[-1])) % 10)
+    assert len(wrong_digits) >= 6  # the mistake varies with the task: no one digit for a model to learn
 
 
 def test_async_twin(env):

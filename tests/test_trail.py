@@ -9,8 +9,8 @@ import envs
 from envs.checker import check_agent_env
 from envs.core import answer_action, tool_action
 from envs.sandbox import bwrap_works
-from envs.trail import EXPERT_FAILS, TASK_TYPES, expert_action, make_trail_task, misread
-from envs.trail import _hash as task_hash
+from envs.tasks import misread, task_hash
+from envs.trail import EXPERT_FAILS, TASK_TYPES, expert_action, make_trail_task
 
 
 @pytest.fixture

@@ -1,9 +1,15 @@
 """Desktop tasks: what to do in the shipped Tk apps, how the app's state proves it, and a scripted expert.
 
 Task types: ``calculator`` (compute an expression with the calculator: the app's last evaluation must be exactly
-that expression with the right value) and ``editor`` (type lines into the editor and save under a file name: the
-app's saved files must hold exactly that text). The expert clicks at the centres the widget tree gives and types
-through the keyboard, as an agent would.
+that expression with the right value), ``editor`` (type lines into the editor and save under a file name: the
+app's saved files must hold exactly that text) and ``total`` (add up three or four amounts with the calculator,
+checked like ``calculator``). The expert clicks at the centres the widget tree gives and types through the keyboard,
+as an agent would.
+
+The expert is right on ``calculator`` and ``editor`` and fails every ``total`` task, never by chance: it misreads the
+last digit of the last amount as another digit (a hash of the task picks which, so a model imitating it cannot
+predict the wrong digit and keeps some probability on the right one). A warm-up on its traces leaves RL a signal on
+exactly one task type, visible in the prompt ("Add up"), whose reward depends on one token of one action.
 """
 
 from __future__ import annotations
@@ -15,8 +21,11 @@ from typing import Any
 
 from envs.core import answer_action, tool_action
 from envs.desktop.apps import evaluate, format_number
+from envs.tasks import misread, task_hash
 
-TASK_TYPES: tuple[str, ...] = ("calculator", "editor")
+TASK_TYPES: tuple[str, ...] = ("calculator", "editor", "total")
+EXPERT_FAILS: tuple[str, ...] = ("total",)
+"""The types the scripted expert gets wrong on every task."""
 _WORDS = ("alpha", "river", "quiet", "copper", "maple", "orbit", "lantern", "pixel", "harbor", "meadow", "signal")
 
 
@@ -46,6 +55,12 @@ def make_task(task_seed: int, split: str, task_type: str | None = None) -> Deskt
         value = format_number(evaluate(expr))
         prompt = f"Use the calculator to compute {a} {op1} {b} {op2} {c} (enter it and press =)."
         return DesktopTask(tid, kind, prompt, "calculator", goal={"expression": expr, "result": value})
+    if kind == "total":
+        amounts = [str(rng.randint(10, 99)) for _ in range(rng.randint(3, 4))]
+        expr = "+".join(amounts)
+        value = format_number(evaluate(expr))
+        prompt = f"Add up {', '.join(amounts[:-1])} and {amounts[-1]} with the calculator (enter the sum and press =)."
+        return DesktopTask(tid, kind, prompt, "calculator", goal={"expression": expr, "result": value})
     lines = [" ".join(rng.sample(_WORDS, 3)) for _ in range(rng.randint(1, 2))]
     name = f"{rng.choice(_WORDS)}-{rng.randint(1, 99)}.txt"
     start = rng.choice(["", "notes:\n"])
@@ -58,7 +73,7 @@ def make_task(task_seed: int, split: str, task_type: str | None = None) -> Deskt
 
 def check_state(task: DesktopTask, state: dict[str, Any]) -> dict[str, bool]:
     """Each goal condition and whether the app's state meets it."""
-    if task.task_type == "calculator":
+    if task.app == "calculator":
         history = state.get("history") or [{}]
         last = history[-1]
         return {
@@ -85,9 +100,13 @@ def find_center(observation: str, name: str) -> tuple[int, int] | None:
 
 
 def expert_plan(task: DesktopTask) -> list[tuple[str, Any]]:
-    """The steps that solve ``task``: ("click", widget name), ("type", text) or ("key", combo)."""
+    """The expert's steps for ``task``: ("click", widget name), ("type", text) or ("key", combo). They solve every
+    task but a ``total``, where the last amount's last digit is misread."""
     if task.task_type == "calculator":
         return [("click", "display"), ("type", task.goal["expression"]), ("click", "equals")]
+    if task.task_type == "total":
+        wrong = misread(task.goal["expression"], task_hash("desktop-total", task.task_id))
+        return [("click", "display"), ("type", wrong), ("click", "equals")]
     added = task.goal["text"][len(task.init.get("text", "")) :]
     return [
         ("click", "text"),
