@@ -175,6 +175,9 @@ class SFTConfig(Section):
     """Upper bound on epochs; training stops when validation loss stops improving."""
     patience: int = Field(2, ge=1)
     """Epochs without validation improvement before stopping."""
+    stop_val_loss: float | None = Field(None, gt=0)
+    """Stop as soon as validation loss is at or below this, keeping those weights (unset: run until ``max_epochs``
+    or ``patience``). The LR schedule still spans ``max_epochs``, so stopping early ends it before its decay."""
     lr: float = Field(1e-3, gt=0)
     """SFT learning rate."""
     batch_size: int = Field(16, ge=1)

@@ -146,7 +146,9 @@ def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str
     train, expert_success = expert_samples(cfg, tok, range(cfg.sft.episodes), "train")
     val, _ = expert_samples(cfg, tok, range(10_000_000, 10_000_000 + cfg.sft.val_episodes), "train")
     s = cfg.sft
-    how = Imitation(s.lr, s.max_epochs, s.batch_size, s.patience, s.threads, s.warmup_steps_max)
+    how = Imitation(
+        s.lr, s.max_epochs, s.batch_size, s.patience, s.threads, s.warmup_steps_max, stop_val_loss=s.stop_val_loss
+    )
     report = imitate(cfg, base_dir, train, val, how, out, log)
     report["expert_success_train"] = expert_success
     (out / "sft_report.json").write_text(json.dumps(report, indent=2))
@@ -166,6 +168,8 @@ class Imitation:
     """The LR warms up linearly over a tenth of the steps, at most this many, then decays (cosine)."""
     what: str = "SFT"
     """Name in the log lines."""
+    stop_val_loss: float | None = None
+    """Stop once validation loss is at or below this (the LR schedule still spans ``max_epochs``)."""
 
 
 def imitate(
@@ -210,6 +214,9 @@ def train_epochs(
         if val_loss < best - 1e-4:
             best, bad = val_loss, 0
             group.save_hf(str(out))
+            if how.stop_val_loss is not None and val_loss <= how.stop_val_loss:
+                log(f"{how.what}: validation loss {val_loss:.4f} <= stop_val_loss {how.stop_val_loss}: stopping")
+                break
         else:
             bad += 1
             if bad >= how.patience:
