@@ -123,7 +123,8 @@ def cache_key(cfg: JobConfig, base_dir: Path) -> str:
         h.update(hashlib.sha256((base_dir / name).read_bytes()).digest())
     expert, name = require_expert(cfg)
     h.update(Path(str(sys.modules[expert.__module__].__file__)).read_bytes())  # the expert's code decides the traces
-    sft = cfg.sft.model_dump(exclude={"threads", "expert"})  # thread count does not change the result's meaning
+    # thread count does not change the result's meaning; an unset optional key (None) keys as if it did not exist
+    sft = cfg.sft.model_dump(exclude={"threads", "expert"}, exclude_none=True)
     trainer = cfg.trainer.model_dump(include=IMITATION_TRAINER_KEYS)
     payload = {"sft": sft, "expert": name, "env": cfg.env.model_dump(), "trainer": trainer, "v": 4}
     h.update(json.dumps(payload, sort_keys=True).encode())
