@@ -99,3 +99,36 @@ def play_episode(env, expert, seed: int, split: str = "train", **options):
         history.append((action, obs))
         if terminated or truncated:
             return history, reward, info
+
+
+def check_job_config(config: str, tmp_path, expert, traces: int, min_longest: int, overrides: list[str] = ()) -> dict:
+    """A shipped job config: its env declares ``expert``, whose longest trace (of ``traces`` eval episodes, plus a
+    turn's budget) fits ``engine.max_len`` with the job's own tokenizer and is longer than ``min_longest`` tokens,
+    and the job runs end to end (a tiny random model, 2 steps) writing the long-horizon summary keys."""
+    from pathlib import Path
+
+    import envs
+    from agentflow.chat import ChatTokenizer
+    from agentflow.config import load_config
+    from agentflow.model_init import ModelInitConfig, init_model
+    from agentflow.recipes.rl import SHAPE_KEYS, run_job
+    from agentflow.recipes.warmup import expert_sample
+
+    path = Path(__file__).resolve().parents[1] / config
+    cfg = load_config(path)
+    assert envs.spec(cfg.env.id).load_expert() is expert
+    tiny = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
+    model = init_model(tmp_path / "model", tiny, env_ids=[cfg.env.id])
+    tok, env = ChatTokenizer(model), envs.make(cfg.env.id)
+    try:
+        longest = max(len(expert_sample(env, expert, tok, s, "eval")[0].token_ids) for s in range(traces))
+    finally:
+        env.close()
+    assert min_longest < longest and longest + cfg.rollout.max_new_tokens <= cfg.engine.max_len
+    over = [f"model.path={model}", f"run.dir={tmp_path / 'run'}", "run.progress=false", "run.steps=2"]
+    over += ["sft.episodes=8", "sft.val_episodes=4", "sft.max_epochs=1", "eval.episodes=4"]
+    over += ["store.batch_groups=1", "rollout.group_size=2", "trainer.drop_uniform_groups=false", *overrides]
+    summary = run_job(load_config(path, over), log=lambda *_: None)
+    assert summary["rl_steps"] == 2 and summary["errors"] == 0
+    assert all(k in summary for k in SHAPE_KEYS) and summary["p90_turns"] >= 1
+    return summary

@@ -7,7 +7,7 @@ import importlib.util
 import shutil
 
 import pytest
-from conftest import require
+from conftest import check_job_config, require
 from test_browser import check_png
 
 from envs.core import answer_action, tool_action
@@ -136,30 +136,6 @@ def test_desktop_config_fits_its_traces_and_its_job_runs(tmp_path):
     """``configs/desktop.yaml``: every expert trace (with a turn's budget) fits ``engine.max_len`` with the job's own
     tokenizer, and the job runs end to end (a tiny random model, a few steps) writing the long-horizon keys."""
     require_desktop()
-    from pathlib import Path
-
-    import envs
-    from agentflow.chat import ChatTokenizer
-    from agentflow.config import load_config
-    from agentflow.model_init import ModelInitConfig, init_model
-    from agentflow.recipes.rl import SHAPE_KEYS, run_job
-    from agentflow.recipes.warmup import expert_sample
     from envs.desktop.tasks import expert_action
 
-    root = Path(__file__).resolve().parents[1]
-    cfg = load_config(root / "configs/desktop.yaml")
-    assert envs.spec(cfg.env.id).load_expert() is expert_action
-    tiny = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
-    model = init_model(tmp_path / "model", tiny, env_ids=[cfg.env.id])
-    tok, env = ChatTokenizer(model), envs.make(cfg.env.id)
-    try:
-        longest = max(len(expert_sample(env, expert_action, tok, s, "eval")[0].token_ids) for s in range(12))
-    finally:
-        env.close()
-    assert 1000 < longest and longest + cfg.rollout.max_new_tokens <= cfg.engine.max_len
-    overrides = [f"model.path={model}", f"run.dir={tmp_path / 'run'}", "run.progress=false", "run.steps=2"]
-    overrides += ["sft.episodes=8", "sft.val_episodes=4", "sft.max_epochs=1", "eval.episodes=4"]
-    overrides += ["store.batch_groups=1", "rollout.group_size=2", "trainer.drop_uniform_groups=false"]
-    summary = run_job(load_config(root / "configs/desktop.yaml", overrides), log=lambda *_: None)
-    assert summary["rl_steps"] == 2 and summary["errors"] == 0
-    assert all(k in summary for k in SHAPE_KEYS) and summary["p90_turns"] >= 1
+    check_job_config("configs/desktop.yaml", tmp_path, expert_action, traces=12, min_longest=1000)

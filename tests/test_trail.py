@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from conftest import play_episode, require
+from conftest import check_job_config, play_episode, require
 
 import envs
 from envs.checker import check_agent_env
@@ -144,32 +144,8 @@ def test_agentic_config_fits_the_longest_trails_and_its_job_runs(tmp_path):
     """``configs/agentic.yaml``: every expert trace (with a turn's budget) fits ``engine.max_len`` with the job's own
     tokenizer, and the job runs end to end (a tiny random model, a few steps) writing the long-horizon keys."""
     require(bwrap_works(), "bubblewrap (bwrap)")
-    from pathlib import Path
-
-    from agentflow.chat import ChatTokenizer
-    from agentflow.config import load_config
-    from agentflow.model_init import ModelInitConfig, init_model
-    from agentflow.recipes.rl import SHAPE_KEYS, run_job
-    from agentflow.recipes.warmup import expert_sample
-
-    root = Path(__file__).resolve().parents[1]
-    cfg = load_config(root / "configs/agentic.yaml")
-    assert envs.spec(cfg.env.id).load_expert() is expert_action
-    tiny = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
-    model = init_model(tmp_path / "model", tiny, env_ids=[cfg.env.id])
-    tok, env = ChatTokenizer(model), envs.make(cfg.env.id)
-    try:
-        longest = max(len(expert_sample(env, expert_action, tok, s, "eval")[0].token_ids) for s in range(16))
-    finally:
-        env.close()
-    assert 800 < longest and longest + cfg.rollout.max_new_tokens <= cfg.engine.max_len
-    overrides = [f"model.path={model}", f"run.dir={tmp_path / 'run'}", "run.progress=false", "run.steps=2"]
-    overrides += ["sft.episodes=8", "sft.val_episodes=4", "sft.max_epochs=1", "eval.episodes=4"]
-    overrides += ["store.batch_groups=1", "rollout.group_size=2", "trainer.drop_uniform_groups=false"]
-    overrides += ["env.kwargs={task_types: [short]}"]
-    summary = run_job(load_config(root / "configs/agentic.yaml", overrides), log=lambda *_: None)
-    assert summary["rl_steps"] == 2 and summary["errors"] == 0
-    assert all(k in summary for k in SHAPE_KEYS) and summary["p90_turns"] >= 1
+    check_job_config("configs/agentic.yaml", tmp_path, expert_action, traces=16, min_longest=800,
+                     overrides=["env.kwargs={task_types: [short]}"])  # fmt: skip
 
 
 def test_the_right_code_counts_only_after_the_last_note_was_shown(env):
