@@ -178,9 +178,13 @@ async def _trainer_engine_pool(
     engine: InferenceEngine
     pool: EnvProvider
     if cfg.ray.enabled:
+        from agentflow.ray_nodes import PlacementError
         from agentflow.ray_runtime import RayRuntime
 
-        runtime = await asyncio.to_thread(RayRuntime, cfg, run_dir)
+        try:
+            runtime = await asyncio.to_thread(RayRuntime, cfg, run_dir)
+        except PlacementError as e:
+            raise JobError(str(e)) from None
         stack.callback(runtime.close)
         trainer = await asyncio.to_thread(runtime.trainer, policy_dir, settings)
         stack.callback(trainer.close)
@@ -188,6 +192,7 @@ async def _trainer_engine_pool(
         stack.callback(engine.close)
         pool = runtime.env_pool()
         stack.callback(pool.close)
+        await asyncio.to_thread(runtime.record_start)
         return trainer, engine, pool, runtime
     tr = cfg.trainer
     trainer = await asyncio.to_thread(make_trainer_group, policy_dir, settings, tp=tr.tp, dp=tr.dp, ep=tr.ep)

@@ -210,9 +210,22 @@ class RayConfig(Section):
     env_workers: int = Field(2, ge=1)
     """Env worker actors, each hosting many envs."""
     placement: Literal["colocated", "separate"] = "colocated"
-    """Actors packed on as few nodes as possible, or spread across nodes."""
+    """Actors without labels (below) packed on as few nodes as possible, or spread across nodes."""
     max_restarts: int = Field(3, ge=0)
     """Restarts Ray grants a dead engine or env worker."""
+    engine_labels: dict[str, str] = Field(default_factory=dict)
+    """Ray node labels the engines run on, as a label selector (``{"agentflow/role": "rollout"}``; values may be
+    ``!v`` or ``in(a,b)``). Empty: placed by ``placement``."""
+    env_worker_labels: dict[str, str] = Field(default_factory=dict)
+    """Ray node labels the env workers run on (a label selector, as ``engine_labels``)."""
+    trainer_labels: dict[str, str] = Field(default_factory=dict)
+    """Ray node labels the trainer group runs on (a label selector, as ``engine_labels``)."""
+    on_node_loss: Literal["replace", "wait"] = "replace"
+    """When every node matching an actor's labels is gone: ``replace`` restarts it on any remaining node (and a
+    resumed job places its trainer there); ``wait`` keeps it pending until a matching node joins (a job waits
+    ``recover_timeout_s`` for it)."""
+    recover_timeout_s: float = Field(300.0, gt=0)
+    """How long the job waits for a dead engine to come back (restarted, re-placed or on a new node) before failing."""
 
 
 class RunConfig(Section):

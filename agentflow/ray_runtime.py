@@ -31,6 +31,15 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from agentflow.ray_nodes import (
+    ROLES,
+    PlacementError,
+    actor_options,
+    alive_nodes,
+    node_report,
+    require_matching_nodes,
+    role_labels,
+)
 from agentflow.types import GenerateResult, InferenceEngine, PauseMode, SamplingParams, ScoreResult
 
 if TYPE_CHECKING:
@@ -114,6 +123,11 @@ def shutdown_ray() -> None:
 # ------------------------------------------------------------------------------------------------------ actors
 
 
+def _node_id() -> str:
+    """The Ray node this process runs on."""
+    return str(ray.get_runtime_context().get_node_id())
+
+
 class EngineActor:
     """One embedded engine in its own process; ``incarnation`` changes when Ray restarts it."""
 
@@ -124,7 +138,8 @@ class EngineActor:
         self.incarnation = uuid.uuid4().hex
 
     def info(self) -> dict[str, Any]:
-        return {"incarnation": self.incarnation, "version": self.engine.weight_version, "pid": os.getpid()}
+        version = self.engine.weight_version
+        return {"incarnation": self.incarnation, "version": version, "pid": os.getpid(), "node": _node_id()}
 
     async def generate(self, ids: list[int], sampling: SamplingParams, rid: str | None) -> GenerateResult:
         return await self.engine.generate(ids, sampling, rid)
@@ -157,6 +172,9 @@ class EnvWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        return _node_id()
 
     async def reset(self, handle: str, env_id: str, kwargs: dict, seed: int, options: dict) -> tuple:
         import envs
@@ -221,6 +239,9 @@ class TrainerActor:
     def pids(self) -> list[int]:
         return [os.getpid(), *self.group.pids()]
 
+    def node(self) -> str:
+        return _node_id()
+
     def close(self) -> None:
         self.group.close()
 
@@ -231,8 +252,9 @@ class TrainerActor:
 class RayEngine:
     """The controller's view of the engine actors: one engine to the agent loop and to the weight transports."""
 
-    def __init__(self, actors: list[Any]) -> None:
+    def __init__(self, actors: list[Any], recover_timeout_s: float = 300.0) -> None:
         self.actors = actors
+        self.recover_timeout_s = recover_timeout_s
         self._incarnations = [ray.get(a.info.remote())["incarnation"] for a in actors]
         self._version = 0
         self._latest: tuple[int, Any] | None = None  # (version, object ref of the tensors) for restarted engines
@@ -266,17 +288,22 @@ class RayEngine:
         self.lost.add((rid or "").split(":")[0])
         await asyncio.to_thread(self._recover, k)
 
-    def _recover(self, k: int, timeout: float = 120.0) -> None:
-        """Wait for Ray to bring engine ``k`` back; a new incarnation gets the newest weights before serving again."""
+    def _recover(self, k: int) -> None:
+        """Wait for Ray to bring engine ``k`` back (restarted, re-placed, or on a node that joined); a new incarnation
+        gets the newest weights before serving again."""
         with self._recovering:
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + self.recover_timeout_s
             while True:
+                left = deadline - time.monotonic()
                 try:
-                    info = ray.get(self.actors[k].info.remote())
+                    info = ray.get(self.actors[k].info.remote(), timeout=max(left, 0.1))
                     break
-                except LOST:
-                    if time.monotonic() > deadline:
-                        raise
+                except (*LOST, ray.exceptions.GetTimeoutError) as e:
+                    if time.monotonic() >= deadline:
+                        raise RuntimeError(
+                            f"engine {k} did not come back within ray.recover_timeout_s={self.recover_timeout_s:g}: "
+                            f"{type(e).__name__}"
+                        ) from e
                     time.sleep(0.5)
             if self._latest is not None and info["version"] != self._latest[0]:
                 self._note(k, ray.get(self.actors[k].update_weights.remote(*self._latest)))
@@ -473,25 +500,45 @@ class RayTrainerGroup:
 
 
 class RayRuntime:
-    """Starts the actors of one job on a placement group (``colocated``: packed on one node; ``separate``: spread)."""
+    """Starts the actors of one job: by node labels where a role has them (agentflow/ray_nodes.py), the rest on a
+    placement group (``colocated``: packed on one node; ``separate``: spread)."""
 
     def __init__(self, cfg: Any, run_dir: Path) -> None:
         self.cfg = cfg
-        self.cluster = init_ray(cfg.ray, run_dir)
         r = cfg.ray
-        n = r.engines + r.env_workers + 1
-        strategy = "PACK" if r.placement == "colocated" else "SPREAD"
-        self.pg = placement_group([{"CPU": r.actor_cpus}] * n, strategy=strategy)
-        ray.get(self.pg.ready(), timeout=120)
+        self.labels = role_labels(r)  # before anything starts
+        self.cluster = init_ray(r, run_dir)
+        self.start_nodes = alive_nodes()
+        try:  # under ``replace`` an unmatched selector falls back to any node; under ``wait`` it would hang
+            if r.on_node_loss == "wait":
+                require_matching_nodes(self.labels, self.start_nodes)
+        except PlacementError:
+            shutdown_ray()
+            raise
+        counts = {"trainer": 1, "engine": r.engines, "env_worker": r.env_workers}
+        n = sum(c for role, c in counts.items() if not self.labels[role])
+        self.pg = None
+        if n:
+            strategy = "PACK" if r.placement == "colocated" else "SPREAD"
+            self.pg = placement_group([{"CPU": r.actor_cpus}] * n, strategy=strategy)
+            ray.get(self.pg.ready(), timeout=120)
         self._bundle = itertools.count()
+        self.actors: dict[str, list[Any]] = {role: [] for role in ROLES}
+        self.start_placement: dict[str, list[str | None]] = {}
 
-    def _opts(self, restarts: int) -> dict[str, Any]:
-        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=next(self._bundle))
-        return {"num_cpus": self.cfg.ray.actor_cpus, "scheduling_strategy": strategy, "max_restarts": restarts}
+    def _opts(self, role: str, restarts: int) -> dict[str, Any]:
+        opts: dict[str, Any] = {"num_cpus": self.cfg.ray.actor_cpus, "max_restarts": restarts}
+        if self.labels[role]:
+            return {**opts, **actor_options(self.labels[role], self.cfg.ray.on_node_loss)}
+        assert self.pg is not None  # sized for every role without labels
+        bundle = next(self._bundle)
+        return {**opts, "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, bundle)}
 
     def trainer(self, model_dir: Path, settings: Any) -> RayTrainerGroup:
         tr = self.cfg.trainer
-        actor = ray.remote(TrainerActor).options(**self._opts(0)).remote(str(model_dir), settings, tr.tp, tr.dp, tr.ep)
+        cls = ray.remote(TrainerActor).options(**self._opts("trainer", 0))
+        actor = cls.remote(str(model_dir), settings, tr.tp, tr.dp, tr.ep)
+        self.actors["trainer"] = [actor]
         return RayTrainerGroup(actor)
 
     def engine(self, model_dir: Path) -> RayEngine:
@@ -499,19 +546,47 @@ class RayRuntime:
         cls = ray.remote(EngineActor)
         seed = self.cfg.run.seed
         actors = [
-            cls.options(**self._opts(restarts), max_concurrency=1000).remote(self.cfg.engine, str(model_dir), seed + i)
+            cls.options(**self._opts("engine", restarts), max_concurrency=1000).remote(
+                self.cfg.engine, str(model_dir), seed + i
+            )
             for i in range(self.cfg.ray.engines)
         ]
-        return RayEngine(actors)
+        self.actors["engine"] = actors
+        return RayEngine(actors, self.cfg.ray.recover_timeout_s)
 
     def env_pool(self) -> RemoteEnvPool:
         cls = ray.remote(EnvWorker)
         restarts = self.cfg.ray.max_restarts
-        workers = [cls.options(**self._opts(restarts)).remote() for _ in range(self.cfg.ray.env_workers)]
+        workers = [cls.options(**self._opts("env_worker", restarts)).remote() for _ in range(self.cfg.ray.env_workers)]
+        self.actors["env_worker"] = workers
         return RemoteEnvPool(workers, self.cfg.env.id, dict(self.cfg.env.kwargs))
+
+    def placement(self, timeout: float = 10.0) -> dict[str, list[str | None]]:
+        """The node of every actor, by role (None: it did not answer within ``timeout``, e.g. dead or pending)."""
+        out: dict[str, list[str | None]] = {}
+        for role, actors in self.actors.items():
+            calls = [a.info.remote() if role == "engine" else a.node.remote() for a in actors]
+            nodes: list[str | None] = []
+            for ref in calls:
+                try:
+                    got = ray.get(ref, timeout=timeout)
+                    nodes.append(got["node"] if isinstance(got, dict) else got)
+                except (*LOST, ray.exceptions.GetTimeoutError):
+                    nodes.append(None)
+            out[role] = nodes
+        return out
+
+    def record_start(self) -> None:
+        """Where every actor runs once all are started (the fault report compares the end of the job with it)."""
+        self.start_placement = self.placement(timeout=self.cfg.ray.recover_timeout_s)
+
+    def node_report(self) -> dict[str, Any]:
+        """Nodes lost since the start (and which actors they held) and actors now on another node."""
+        return node_report(self.start_nodes, self.start_placement, self.placement())
 
     def close(self) -> None:
         try:
-            remove_placement_group(self.pg)
+            if self.pg is not None:
+                remove_placement_group(self.pg)
         finally:
             shutdown_ray()

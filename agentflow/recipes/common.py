@@ -87,9 +87,9 @@ def warm_up(cfg: JobConfig, base: Path, run_dir: Path, log: Log) -> tuple[Path, 
 
 
 def fault_report(job: Job) -> dict[str, Any]:
-    """What died and what was replayed because of it."""
+    """What died and what was replayed because of it (on Ray: also the nodes lost and the actors re-placed)."""
     r = job.rollouts
-    return {
+    report = {
         "retried_episodes": dict(r.retried),
         "retried_ids": list(r.retried_ids),
         "lost_after_retries": r.lost_for_good,
@@ -97,6 +97,9 @@ def fault_report(job: Job) -> dict[str, Any]:
         "env_timeouts": len(r.timed_out),
         "env_timeout_reasons": r.timed_out[:20],
     }
+    if job.runtime is not None:
+        report.update(job.runtime.node_report())
+    return report
 
 
 def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
