@@ -46,6 +46,22 @@ def _parser() -> argparse.ArgumentParser:
     distill.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint and journal")
 
+    plan = sub.add_parser("plan", help="simulate a run's job at other modes and cluster sizes (calibrated on it)")
+    plan.add_argument("run_dir", help="a real RL run's directory (config, journal, metrics, summary)")
+    plan.add_argument("--gpus", default="8,64,1024", help="cluster sizes to plan for (comma-separated)")
+    plan.add_argument("--modes", default="sync,async", help="run.mode values to compare (comma-separated)")
+    plan.add_argument("--steps", type=int, default=6, help="RL steps simulated per cluster scenario")
+    plan.add_argument("--speed", type=float, default=None, help="engine tokens/s at one request (default: fitted)")
+    plan.add_argument("--curve", default=None, help="engine benchmark JSON with the batched-decode curve")
+    plan.add_argument(
+        "--cores",
+        type=float,
+        default=None,
+        help="CPU cores the run's engines, trainer and tools shared (models their contention)",
+    )
+    plan.add_argument("--env-cpu-s", type=float, default=0.0, help="CPU seconds of one env step (with --cores)")
+    plan.add_argument("--out", default=None, help="also write the plan as JSON here")
+
     ev = sub.add_parser("eval", help="greedy success on held-out tasks")
     ev.add_argument("config", nargs="?")
     ev.add_argument("overrides", nargs="*")
@@ -193,6 +209,10 @@ def _run(args: argparse.Namespace) -> int:
         return _run_envs(args)
     if args.cmd == "proxy":
         return _run_proxy(args)
+    if args.cmd == "plan":
+        from agentflow.planner import run_plan
+
+        return run_plan(args)
     from agentflow.config import load_config
 
     config, overrides = _split_config(args)

@@ -1,0 +1,185 @@
+"""The planner: the virtual clock, the simulated parts' arithmetic by hand, and a plan from a run directory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agentflow.cli import main
+from agentflow.config import load_config
+from agentflow.planner import (
+    PlanError,
+    calibrate,
+    curve_at,
+    load_profile,
+    plan,
+    predict,
+    simulate,
+    source_scenario,
+)
+from agentflow.simulated import Cpu, SimEngine, SimTrainer, Work
+from agentflow.store import Journal
+from agentflow.types import Segment, Trajectory
+from agentflow.virtual_clock import Stalled, VirtualLoop, run_virtual
+
+CURVE = {1: 1.0, 8: 4.0, 32: 8.0}
+
+
+def test_the_virtual_clock_jumps_and_charges_executor_work() -> None:
+    async def job() -> tuple[float, float, str]:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(3600)
+        slept = loop.time()
+
+        def work() -> str:
+            assert isinstance(loop, VirtualLoop)
+            loop.charge(2.5)
+            return "done"
+
+        out = await asyncio.to_thread(work)
+        return slept, loop.time(), out
+
+    t0 = time.monotonic()
+    assert run_virtual(job()) == (3600.0, 3602.5, "done")
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_loop_where_everything_waits_is_reported_not_hung() -> None:
+    async def forever() -> None:
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(Stalled):
+        run_virtual(forever())
+
+
+def test_processor_sharing_engine_by_hand() -> None:
+    """Throughput 100 tokens/s whatever the batch: two requests share it until the shorter one ends."""
+
+    async def job() -> list[tuple[float, int]]:
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(lambda n: 100.0, slots=8, cpu=Cpu(None))
+
+        async def one(tokens: float) -> tuple[float, int]:
+            v = await engine.generate(tokens)
+            return loop.time(), v
+
+        first = asyncio.ensure_future(one(100))
+        second = asyncio.ensure_future(one(300))
+        await asyncio.sleep(1.0)
+        engine.version = 7  # a weight update lands while both decode
+        return [await first, await second]
+
+    # both at 50 tokens/s: the first ends at 2 s (100 tokens); the second has 200 left, alone at 100/s: 4 s
+    (t1, v1), (t2, v2) = run_virtual(job())
+    assert t1 == pytest.approx(2.0) and t2 == pytest.approx(4.0) and v1 == v2 == 7
+
+
+def test_slots_queue_requests_in_arrival_order() -> None:
+    async def job() -> list[float]:
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(lambda n: 10.0 * n, slots=1, cpu=Cpu(None))  # 10 tokens/s per request
+
+        async def one(tokens: float) -> float:
+            await engine.generate(tokens)
+            return loop.time()
+
+        return list(await asyncio.gather(one(10), one(10), one(10)))
+
+    assert run_virtual(job()) == pytest.approx([1.0, 2.0, 3.0])
+
+
+def test_contention_on_one_core_halves_both_parts() -> None:
+    """One core: a 1 s trainer step next to a decoding engine runs at half speed, and so does the engine."""
+
+    async def job() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        cpu = Cpu(1.0)
+        engine = SimEngine(lambda n: 10.0 * n, slots=4, cpu=cpu)
+        gen = asyncio.ensure_future(engine.generate(10))  # 1 s alone
+        await asyncio.sleep(0)
+        work = Work(cpu, 1.0, 1.0, loop)
+        await work.done
+        t_work = loop.time()
+        await gen
+        return t_work, loop.time()
+
+    t_work, t_gen = run_virtual(job())
+    assert t_work == pytest.approx(2.0) and t_gen == pytest.approx(2.0)
+
+
+def test_trainer_step_returns_when_its_work_is_done() -> None:
+    async def job() -> tuple[float, dict]:
+        loop = asyncio.get_running_loop()
+        trainer = SimTrainer(lambda k: 0.5 * k, Cpu(None))
+        out = await asyncio.to_thread(trainer.train_step, [0, 1, 2, 3])
+        return loop.time(), out
+
+    t, out = run_virtual(job())
+    assert t == pytest.approx(2.0) and out["samples"] == 4
+
+
+def test_curve_is_piecewise_linear_and_flat_past_the_last_point() -> None:
+    assert curve_at(CURVE, 1) == 1.0 and curve_at(CURVE, 20) == pytest.approx(6.0) and curve_at(CURVE, 64) == 8.0
+
+
+def _fake_run(tmp_path: Path, mode: str = "async", measured: float = 3.0) -> Path:
+    """A run directory as a job writes it: config, journal, metrics, summary (numbers made up, formats real)."""
+    run = tmp_path / f"run-{mode}"
+    run.mkdir()
+    over = [f"run.mode={mode}", "store.batch_groups=2", "rollout.group_size=4", "run.steps=20"]
+    cfg = load_config(None, over)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    rng = random.Random(0)
+    journal = Journal(run / "journal.jsonl")
+    for g in range(40):
+        trajs = []
+        for i in range(4):
+            turns = rng.randint(1, 4)
+            seg = Segment(token_ids=[0] * 40 * turns, loss_mask=[1] * 30 * turns + [0] * 10 * turns)
+            env_s = sum(rng.lognormvariate(-1.2, 1.0) for _ in range(turns))
+            trajs.append(Trajectory(f"g{g}-{i}", "t", f"g{g}", "e", segments=[seg], reward=float(rng.random() < 0.5),
+                                    timings={"env_s": env_s}))  # fmt: skip
+        journal.append(trajs)
+    journal.close()
+    rows = [{"step": s, "train/train_s": 0.2 + 0.01 * n, "train/samples": n, "sync/total_s": 0.05}
+            for s, n in enumerate([8, 6, 8, 7, 8], 1)]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"trajectories_trained": 160, "rl_wall_s": 160 / measured}))
+    return run
+
+
+def test_calibration_reproduces_the_run_and_predictions_follow_the_window(tmp_path: Path) -> None:
+    profile = load_profile(_fake_run(tmp_path), CURVE, cores=2.0)
+    assert len(profile.episodes) == 160 and profile.train_b == pytest.approx(0.01)
+    fitted, speed = calibrate(profile, steps=20, iters=20)
+    again = simulate(fitted, source_scenario(fitted, speed, 20))
+    assert again.samples_per_s == pytest.approx(3.0, rel=0.02)
+    sync, asyn = predict(fitted, speed, "sync", 20), predict(fitted, speed, "async", 20)
+    assert sync.max_staleness_seen == 0 and asyn.max_staleness_seen <= fitted.cfg.store.stale_steps
+    assert sync.samples_per_s < asyn.samples_per_s  # tool latency overlaps training only in async
+    table = plan(fitted, speed, gpus=[8], steps=4, modes=["async"])
+    (row,) = table["rows"]
+    assert row["batch_groups"] == 8 and {r["trainer_gpus"] for r in row["tried"]} == {1, 2, 4}
+    assert row["best"]["samples_per_s"] == max(r["samples_per_s"] for r in row["tried"])
+
+
+def test_a_run_faster_than_its_own_parts_allow_is_refused(tmp_path: Path) -> None:
+    profile = load_profile(_fake_run(tmp_path, measured=1e4), CURVE)
+    with pytest.raises(PlanError, match="infinitely fast engines"):
+        calibrate(profile, steps=10)
+
+
+def test_plan_command_names_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(tmp_path)]) == 2
+    assert "no config.yaml" in capsys.readouterr().err
+    run = _fake_run(tmp_path)
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(run), "--gpus", "4", "--steps", "3", "--out", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["measured"]["samples_per_s"] == pytest.approx(3.0) and set(saved["this_machine"]) == {"sync", "async"}
