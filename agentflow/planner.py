@@ -114,6 +114,8 @@ class SimResult:
     trainer_idle_fraction: float
     trainer_stretch: float
     """Trainer wall time / its work at full speed (above 1 when it shared the cores)."""
+    steady_samples_per_s: float
+    """Trained samples/s after the first step (leaves out filling the window, which a short simulation overweights)."""
     step_s: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -285,17 +287,25 @@ async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
         engine_idle_fraction=1 - statistics.mean(e.busy_s for e in engines) / wall,
         trainer_idle_fraction=1 - busy / wall,
         trainer_stretch=busy / work if work else 1.0,
+        steady_samples_per_s=_steady(clock.ends, len(result.trained_ids), start, wall),
         step_s=steps,
     )
+
+
+def _steady(ends: list[float], trained: int, start: float, wall: float) -> float:
+    if len(ends) < 2:
+        return trained / wall
+    per_step = trained / len(ends)
+    return per_step * (len(ends) - 1) / max(ends[-1] - ends[0], 1e-9)
 
 
 # ----------------------------------------------------------------------------------------------------- calibration
 
 
-def calibrate(profile: RunProfile, steps: int | None = None, iters: int = 16) -> tuple[RunProfile, float]:
+def calibrate(profile: RunProfile, steps: int | None = None, iters: int = 14) -> tuple[RunProfile, float]:
     """Fit the run: the engines' single-request decode rate (tokens/s) at which the simulated source run trains its
     measured samples/s (bisection on a log scale), and, where the parts shared cores, the trainer's cost at full
-    speed (its measured step times divided by the stretch the simulation gives them; a fixed point, three rounds).
+    speed (its measured step times divided by the stretch the simulation gives them; a fixed point, two rounds).
 
     Returns the profile with the trainer's full-speed cost, and the rate."""
     target = profile.measured_samples_per_s
@@ -303,7 +313,7 @@ def calibrate(profile: RunProfile, steps: int | None = None, iters: int = 16) ->
         raise PlanError(f"{profile.run_dir} has no summary.json: calibrating needs the run's measured samples/s")
     measured_a, measured_b = profile.train_a, profile.train_b
     speed = 0.0
-    for _ in range(3 if profile.cores is not None else 1):
+    for _ in range(2 if profile.cores is not None else 1):
         speed = _fit_speed(profile, target, steps, iters)
         stretch = simulate(profile, source_scenario(profile, speed, steps)).trainer_stretch
         profile = replace(profile, train_a=measured_a / stretch, train_b=measured_b / stretch)
@@ -339,22 +349,29 @@ def predict(profile: RunProfile, speed: float, mode: str, steps: int | None = No
 
 
 def best_split(
-    profile: RunProfile, speed: float, gpus: int, mode: str, steps: int, trainer_options: Sequence[int] | None = None
+    profile: RunProfile,
+    speed: float,
+    gpus: int,
+    mode: str,
+    steps: int,
+    trainer_options: Sequence[int] | None = None,
+    max_batch_groups: int = 1024,
 ) -> dict[str, Any]:
-    """Simulate ``gpus`` devices split between trainer and engines in ``mode``; the split with the most samples/s.
+    """Simulate ``gpus`` devices split between trainer and engines in ``mode``; the split with the most steady-state
+    samples/s (trainer GPUs: powers of two from a sixteenth to half of the devices).
 
-    The batch grows with the cluster (``batch_groups * gpus / source devices``), so every split trains the same
-    batch and only the split differs."""
+    The batch grows with the cluster (``batch_groups * gpus / source devices``, at most ``max_batch_groups``), so every
+    split trains the same batch and only the split differs."""
     base = source_scenario(profile, speed, steps)
     source_devices = profile.engines + 1
-    batch = max(base.batch_groups, round(base.batch_groups * gpus / source_devices))
+    batch = min(max(base.batch_groups, round(base.batch_groups * gpus / source_devices)), max_batch_groups)
     options = trainer_options or [t for t in _powers_of_two(gpus // 2) if t >= max(1, gpus // 16)]
     tried = []
     for t in options:
         sc = replace(base, mode=mode, engines=gpus - t, trainer_gpus=t, batch_groups=batch)
         r = simulate(profile, sc)
         tried.append({"trainer_gpus": t, "engines": gpus - t, **r.as_dict()})
-    best = max(tried, key=lambda r: r["samples_per_s"])
+    best = max(tried, key=lambda r: r["steady_samples_per_s"])
     return {"gpus": gpus, "mode": mode, "batch_groups": batch, "best": best, "tried": tried}
 
 
@@ -428,7 +445,7 @@ def _brief(out: dict[str, Any]) -> dict[str, Any]:
         f"{r['gpus']} gpus {r['mode']}": {
             "trainer_gpus": r["best"]["trainer_gpus"],
             "engines": r["best"]["engines"],
-            "samples_per_s": round(r["best"]["samples_per_s"], 2),
+            "samples_per_s": round(r["best"]["steady_samples_per_s"], 2),
             "mean_staleness": round(r["best"]["mean_staleness"], 2),
         }
         for r in out["rows"]

@@ -73,6 +73,16 @@ class SlowCalc(CalcEnv):
         return await super().ascore_answer(text)
 
 
+def demo_policy() -> Path:
+    """The demo job's warmed-up policy: its warm-up SFT on ``agentflow/Calc-v0`` (cached across runs, made on first
+    use), which every mode's RL then starts from on the slow variant of the same env."""
+    from agentflow.recipes.common import ensure_model
+    from agentflow.recipes.warmup import run_sft
+
+    cfg = load_config("configs/demo.yaml")
+    return run_sft(cfg, ensure_model(cfg), Path(cfg.run.dir).parent / "cache", lambda *_: None)
+
+
 def run(mode: str, model: Path, out: Path, args: argparse.Namespace, median_s: float, strategy: str = "fifo") -> dict:
     overrides = STRATEGIES[strategy] + [
         f"model.path={model}",
@@ -87,8 +97,9 @@ def run(mode: str, model: Path, out: Path, args: argparse.Namespace, median_s: f
         f"rollout.group_size={args.group_size}",
         f"eval.episodes={args.eval_episodes}",
     ]
+    overrides.append("sft.enabled=false")  # ``model`` is the demo's warmed-up policy (or, --quick, a tiny model)
     if args.quick:
-        overrides += ["sft.enabled=false", "rollout.max_new_tokens=16", "engine.max_len=384"]
+        overrides += ["rollout.max_new_tokens=16", "engine.max_len=384"]
         overrides += ["trainer.drop_uniform_groups=false", "trainer.micro_batch_tokens=2048"]
     cfg = load_config(None if args.quick else "configs/demo.yaml", overrides)
     t0 = time.monotonic()
@@ -148,8 +159,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.quick:
             model = init_model(Path(tmp) / "model", TINY, env_ids=["agentflow/Calc-v0"])
-        else:  # the demo's base model (created on first use); its warm-up SFT is cached across runs
-            model = Path(load_config("configs/demo.yaml").model.path)
+        else:
+            model = demo_policy()
         for _ in range(args.repeats):
             for median in (0.0,) if args.zero_latency_only else (0.3, 0.0):
                 for mode in MODES if median else ("sync", "async"):  # interleaved so machine noise hits all alike

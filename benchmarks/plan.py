@@ -196,7 +196,7 @@ def plot(table: dict[str, Any], path: Path) -> None:
     for workload, t in table["clusters"].items():
         for mode in ("sync", "async"):
             rows = [r for r in t["rows"] if r["mode"] == mode]
-            axes[1].plot([r["gpus"] for r in rows], [r["best"]["samples_per_s"] for r in rows], marker="o",
+            axes[1].plot([r["gpus"] for r in rows], [r["best"]["steady_samples_per_s"] for r in rows], marker="o",
                          label=f"{workload} {mode}")  # fmt: skip
     axes[1].set_xscale("log")
     axes[1].set_yscale("log")

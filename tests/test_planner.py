@@ -166,7 +166,7 @@ def test_calibration_reproduces_the_run_and_predictions_follow_the_window(tmp_pa
     table = plan(fitted, speed, gpus=[8], steps=4, modes=["async"])
     (row,) = table["rows"]
     assert row["batch_groups"] == 8 and {r["trainer_gpus"] for r in row["tried"]} == {1, 2, 4}
-    assert row["best"]["samples_per_s"] == max(r["samples_per_s"] for r in row["tried"])
+    assert row["best"]["steady_samples_per_s"] == max(r["steady_samples_per_s"] for r in row["tried"])
 
 
 def test_a_run_faster_than_its_own_parts_allow_is_refused(tmp_path: Path) -> None:
