@@ -40,13 +40,12 @@ def measure_demo(steps: int, eval_episodes: int) -> None:
     """The demo latency workload in sync and async mode, kept in ``runs/plan-demo-<mode>``."""
     import shutil
 
-    from async_vs_sync import SlowCalc, run
+    from async_vs_sync import SlowCalc, demo_policy, run
 
     import envs
-    from agentflow.config import load_config
 
     envs.register("bench/SlowCalc-v0", SlowCalc, max_turns=3)
-    model = Path(load_config("configs/demo.yaml").model.path)
+    model = demo_policy()
     args = argparse.Namespace(steps=steps, batch_groups=6, group_size=8, stale_steps=2, eval_episodes=eval_episodes,
                               quick=False)  # fmt: skip
     for mode in ("sync", "async"):
