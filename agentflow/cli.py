@@ -55,9 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--curve", default=None, help="engine benchmark JSON with the batched-decode curve")
     plan.add_argument(
         "--cores",
-        type=float,
         default=None,
-        help="CPU cores the run's engines, trainer and tools shared (models their contention)",
+        help="cores the run's engines, trainer and tools shared (models their contention): a number, or 'auto' to "
+        "measure this machine's effective cores",
     )
     plan.add_argument("--env-cpu-s", type=float, default=0.0, help="CPU seconds of one env step (with --cores)")
     plan.add_argument("--out", default=None, help="also write the plan as JSON here")

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -203,6 +205,44 @@ def curve_at(curve: dict[int, float], n: int) -> float:
         if n <= n1:
             return v0 + (v1 - v0) * (n - n0) / (n1 - n0)
     return points[-1][1]
+
+
+def _spin(seconds: float, start: Any, out: Any) -> None:
+    """One process of :func:`measure_effective_cores`: single-threaded matrix products for ``seconds``."""
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(192, 192)
+    start.wait()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ a
+        n += 1
+    out.put(n / (time.perf_counter() - t0))
+
+
+def measure_effective_cores(workers: int | None = None, seconds: float = 2.0) -> float:
+    """How many single-threaded compute-bound processes' worth of work this machine does at once: the summed rate of
+    ``workers`` (default: the CPU count) concurrent spinners over one alone. Below the CPU count where logical CPUs
+    share physical cores (hyper-threads) or memory bandwidth; this, not the CPU count, bounds overlap."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+
+    def rates(n: int) -> list[float]:
+        start, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_spin, args=(seconds, start, out)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        time.sleep(3.0)  # every process imported torch and waits at the start line
+        start.set()
+        got = [out.get(timeout=60 + seconds) for _ in procs]
+        for p in procs:
+            p.join()
+        return got
+
+    alone = rates(1)[0]
+    return sum(rates(workers or os.cpu_count() or 1)) / alone
 
 
 # -------------------------------------------------------------------------------------------------- one simulation
@@ -411,7 +451,8 @@ def run_plan(args: Any) -> int:
 
     try:
         curve = default_curve(args.curve) if args.curve else default_curve(_REPO / "benchmarks/results/engine.json")
-        profile = load_profile(args.run_dir, curve, cores=args.cores, env_cpu_s=args.env_cpu_s)
+        cores = None if args.cores is None else measure_effective_cores() if args.cores == "auto" else float(args.cores)
+        profile = load_profile(args.run_dir, curve, cores=cores, env_cpu_s=args.env_cpu_s)
         if args.speed:
             speed = args.speed
         else:

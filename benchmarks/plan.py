@@ -9,10 +9,11 @@ Two local workloads, each run for real in ``sync`` and ``async`` mode:
 
 For each workload the planner is calibrated on one mode's run and predicts the other mode (both directions): the
 predicted samples/s and async/sync ratio are compared with the measured ones. The contention model uses this
-machine's cores and the env's CPU seconds per step, measured apart (the demo's tool latency is a sleep: 0 s; Trail's
-tool calls run in the sandbox: measured on its expert's episodes). Then the cluster table: from the calibration on
-each workload's async run, the best trainer:engine split and its samples/s at 8, 64 and 1,024 devices for sync and
-async (each device its own, no contention). Writes ``benchmarks/results/plan.json`` and ``plan.png``.
+machine's effective cores (concurrent single-threaded spinners' summed rate over one alone) and the env's CPU seconds
+per step, both measured apart (the demo's tool latency is a sleep: 0 s; Trail's tool calls run in the sandbox:
+measured on its expert's episodes). Then the cluster table: from the calibration on each workload's async run, the
+best trainer:engine split and its samples/s at 8, 64 and 1,024 devices for sync and async (each device its own, no
+contention). Writes ``benchmarks/results/plan.json`` and ``plan.png``.
 
     .venv/bin/python benchmarks/plan.py --measure   # the demo's two runs (~15 min), then the plan
     .venv/bin/python benchmarks/plan.py             # the plan from runs already measured
@@ -31,7 +32,15 @@ from typing import Any
 
 import _path  # noqa: F401  (must come before the project's imports: see _path.py)
 
-from agentflow.planner import RunProfile, calibrate, default_curve, load_profile, plan, predict
+from agentflow.planner import (
+    RunProfile,
+    calibrate,
+    default_curve,
+    load_profile,
+    measure_effective_cores,
+    plan,
+    predict,
+)
 
 WORKLOADS = {"demo": "runs/plan-demo-{mode}", "agentic": "runs/async_vs_sync_agentic-{mode}"}
 
@@ -97,18 +106,21 @@ def _profile(workload: str, mode: str, cores: float, env_cpu_s: float) -> RunPro
     return load_profile(run_dir, default_curve(), cores=cores, env_cpu_s=env_cpu_s)
 
 
-def cross_check(workload: str, cores: float, env_cpu_s: float) -> dict[str, Any] | None:
-    """Calibrate on each mode's run, predict the other; predicted vs measured samples/s and async/sync ratio."""
+def cross_check(workload: str, cores: float, env_cpu_s: float) -> tuple[dict[str, Any], RunProfile, float] | None:
+    """Calibrate on each mode's run, predict the other; predicted vs measured samples/s and async/sync ratio.
+
+    Also returns the async run's calibrated profile and engine speed (the cluster table starts from them)."""
     runs = {m: _profile(workload, m, cores, env_cpu_s) for m in ("sync", "async")}
     if any(p is None for p in runs.values()):
         return None
+    fits: dict[str, tuple[RunProfile, float]] = {}
     measured = {m: p.measured_samples_per_s for m, p in runs.items() if p is not None}
     ratio = measured["async"] / measured["sync"]
     out: dict[str, Any] = {"measured_samples_per_s": measured, "measured_async_over_sync": ratio, "from": {}}
     for source, target in (("sync", "async"), ("async", "sync")):
         profile = runs[source]
         assert profile is not None
-        fitted, speed = calibrate(profile)
+        fitted, speed = fits[source] = calibrate(profile)
         pred = predict(fitted, speed, target)
         got = pred.samples_per_s
         pred_ratio = got / measured["sync"] if target == "async" else measured["async"] / got
@@ -121,7 +133,7 @@ def cross_check(workload: str, cores: float, env_cpu_s: float) -> dict[str, Any]
             "error_async_over_sync": pred_ratio / ratio - 1,
             f"predicted_{target}": pred.as_dict(),
         }
-    return out
+    return out, *fits["async"]
 
 
 def main() -> None:
@@ -136,22 +148,23 @@ def main() -> None:
     start = time.monotonic()
     if args.measure:
         measure_demo(args.steps, args.eval_episodes)
-    cores = float(os.cpu_count() or 1)
+    cores = measure_effective_cores()  # what the parts' overlap can use: below the CPU count on hyper-threads
     env_cpu = {"demo": {"cpu_s_per_step": 0.0, "note": "the tool latency is a sleep"},
                "agentic": env_cpu_per_step("agentflow/Trail-v0")}  # fmt: skip
-    table: dict[str, Any] = {"cores": cores, "env_cpu": env_cpu, "workloads": {}, "clusters": {}}
+    table: dict[str, Any] = {"cpu_count": os.cpu_count(), "effective_cores": cores, "env_cpu": env_cpu,
+                             "workloads": {}, "clusters": {}}  # fmt: skip
     gpus = [int(g) for g in args.gpus.split(",")]
     for workload in WORKLOADS:
         env_cpu_s = float(env_cpu[workload]["cpu_s_per_step"])
-        table["workloads"][workload] = cross_check(workload, cores, env_cpu_s)
-        profile = _profile(workload, "async", cores, env_cpu_s)
-        if profile is None:
+        checked = cross_check(workload, cores, env_cpu_s)
+        if checked is None:
+            print(f"{workload}: no sync and async runs measured yet; skipped", flush=True)
             continue
-        fitted, speed = calibrate(profile)
+        table["workloads"][workload], fitted, speed = checked
         clusters = replace_cores(fitted)
         table["clusters"][workload] = plan(clusters, speed, gpus, args.plan_steps, ("sync", "async"))
         print(workload, json.dumps(table["workloads"][workload], indent=1)[:2000], flush=True)
-    errors = [abs(d["from"][m][k]) for d in table["workloads"].values() if d for m in d["from"]
+    errors = [abs(d["from"][m][k]) for d in table["workloads"].values() for m in d["from"]
               for k in d["from"][m] if k.startswith("error_")]  # fmt: skip
     table["max_abs_error"] = max(errors) if errors else None
     table["within_15_percent"] = bool(errors) and max(errors) <= 0.15
@@ -179,8 +192,6 @@ def plot(table: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     names, measured, predicted = [], [], []
     for workload, d in table["workloads"].items():
-        if not d:
-            continue
         for source, target in (("sync", "async"), ("async", "sync")):
             names.append(f"{workload}\n{target} (fit on {source})")
             measured.append(d["measured_samples_per_s"][target])
