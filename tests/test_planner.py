@@ -183,3 +183,10 @@ def test_plan_command_names_what_is_missing(tmp_path: Path, capsys: pytest.Captu
     assert main(["plan", str(run), "--gpus", "4", "--steps", "3", "--out", str(out)]) == 0
     saved = json.loads(out.read_text())
     assert saved["measured"]["samples_per_s"] == pytest.approx(3.0) and set(saved["this_machine"]) == {"sync", "async"}
+
+
+def test_effective_cores_of_two_spinners_are_at_most_two() -> None:
+    from agentflow.planner import measure_effective_cores
+
+    cores = measure_effective_cores(workers=2, seconds=0.5)
+    assert 0.5 < cores <= 2 * 1.15  # two spinners do at most twice one's work (timing noise aside)
