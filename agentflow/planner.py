@@ -221,7 +221,7 @@ def _spin(seconds: float, start: Any, out: Any) -> None:
     out.put(n / (time.perf_counter() - t0))
 
 
-def measure_effective_cores(workers: int | None = None, seconds: float = 2.0) -> float:
+def measure_effective_cores(workers: int | None = None, seconds: float = 2.0, repeats: int = 3) -> float:
     """How many single-threaded compute-bound processes' worth of work this machine does at once: the summed rate of
     ``workers`` (default: the CPU count) concurrent spinners over one alone. Below the CPU count where logical CPUs
     share physical cores (hyper-threads) or memory bandwidth; this, not the CPU count, bounds overlap."""
@@ -241,8 +241,9 @@ def measure_effective_cores(workers: int | None = None, seconds: float = 2.0) ->
             p.join()
         return got
 
-    alone = rates(1)[0]
-    return sum(rates(workers or os.cpu_count() or 1)) / alone
+    n = workers or os.cpu_count() or 1
+    # a shared machine is noisy: the median of ``repeats`` alone/together pairs
+    return statistics.median(sum(rates(n)) / rates(1)[0] for _ in range(repeats))
 
 
 # -------------------------------------------------------------------------------------------------- one simulation

@@ -143,14 +143,18 @@ def main() -> None:
     ap.add_argument("--eval-episodes", type=int, default=50)
     ap.add_argument("--gpus", default="8,64,1024")
     ap.add_argument("--plan-steps", type=int, default=4, help="steps simulated per cluster scenario")
+    ap.add_argument("--cores", type=float, default=None, help="effective cores measured earlier (default: measure)")
+    ap.add_argument("--env-cpu", default=None, help="JSON of env_cpu_per_step on Trail measured earlier")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     start = time.monotonic()
     if args.measure:
         measure_demo(args.steps, args.eval_episodes)
-    cores = measure_effective_cores()  # what the parts' overlap can use: below the CPU count on hyper-threads
-    env_cpu = {"demo": {"cpu_s_per_step": 0.0, "note": "the tool latency is a sleep"},
-               "agentic": env_cpu_per_step("agentflow/Trail-v0")}  # fmt: skip
+    # measured on a quiet machine: what the parts' overlap can use (below the CPU count on hyper-threads), and the
+    # CPU seconds of a Trail tool call
+    cores = args.cores or measure_effective_cores()
+    trail = json.loads(Path(args.env_cpu).read_text()) if args.env_cpu else env_cpu_per_step("agentflow/Trail-v0")
+    env_cpu = {"demo": {"cpu_s_per_step": 0.0, "note": "the tool latency is a sleep"}, "agentic": trail}
     table: dict[str, Any] = {"cpu_count": os.cpu_count(), "effective_cores": cores, "env_cpu": env_cpu,
                              "workloads": {}, "clusters": {}}  # fmt: skip
     gpus = [int(g) for g in args.gpus.split(",")]
