@@ -430,9 +430,12 @@ def plan(
     gpus: Sequence[int] = (8, 64, 1024),
     steps: int = 6,
     modes: Sequence[str] = ("sync", "async"),
+    max_batch_groups: int = 1024,
 ) -> dict[str, Any]:
     """Predictions at each cluster size and mode, with the recommended rollout:training split."""
-    rows = [best_split(profile, speed, n, mode, steps) for n in gpus for mode in modes]
+    rows = [
+        best_split(profile, speed, n, mode, steps, max_batch_groups=max_batch_groups) for n in gpus for mode in modes
+    ]
     return {
         "source": str(profile.run_dir),
         "engine_speed_tokens_per_s": speed,

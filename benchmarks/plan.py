@@ -143,6 +143,7 @@ def main() -> None:
     ap.add_argument("--eval-episodes", type=int, default=50)
     ap.add_argument("--gpus", default="8,64,1024")
     ap.add_argument("--plan-steps", type=int, default=4, help="steps simulated per cluster scenario")
+    ap.add_argument("--max-batch-groups", type=int, default=256, help="the largest cluster's batch, in groups")
     ap.add_argument("--cores", type=float, default=None, help="effective cores measured earlier (default: measure)")
     ap.add_argument("--env-cpu", default=None, help="JSON of env_cpu_per_step on Trail measured earlier")
     ap.add_argument("--out", default="benchmarks/results")
@@ -158,16 +159,18 @@ def main() -> None:
     table: dict[str, Any] = {"cpu_count": os.cpu_count(), "effective_cores": cores, "env_cpu": env_cpu,
                              "workloads": {}, "clusters": {}}  # fmt: skip
     gpus = [int(g) for g in args.gpus.split(",")]
-    for workload in WORKLOADS:
-        env_cpu_s = float(env_cpu[workload]["cpu_s_per_step"])
-        checked = cross_check(workload, cores, env_cpu_s)
+    fits = {}
+    for workload in WORKLOADS:  # first every cross-check (the numbers that say whether to trust the rest)
+        checked = cross_check(workload, cores, float(env_cpu[workload]["cpu_s_per_step"]))
         if checked is None:
             print(f"{workload}: no sync and async runs measured yet; skipped", flush=True)
             continue
-        table["workloads"][workload], fitted, speed = checked
+        table["workloads"][workload], *fits[workload] = checked
+        print(workload, json.dumps(_errors(table["workloads"][workload])), flush=True)
+    for workload, (fitted, speed) in fits.items():
         clusters = replace_cores(fitted)
-        table["clusters"][workload] = plan(clusters, speed, gpus, args.plan_steps, ("sync", "async"))
-        print(workload, json.dumps(table["workloads"][workload], indent=1)[:2000], flush=True)
+        table["clusters"][workload] = plan(clusters, speed, gpus, args.plan_steps, ("sync", "async"),
+                                           args.max_batch_groups)  # fmt: skip
     errors = [abs(d["from"][m][k]) for d in table["workloads"].values() for m in d["from"]
               for k in d["from"][m] if k.startswith("error_")]  # fmt: skip
     table["max_abs_error"] = max(errors) if errors else None
@@ -178,6 +181,12 @@ def main() -> None:
     (out / "plan.json").write_text(json.dumps(table, indent=2))
     plot(table, out / "plan.png")
     print(json.dumps({k: table[k] for k in ("max_abs_error", "within_15_percent", "bench_wall_s")}, indent=2))
+
+
+def _errors(d: dict[str, Any]) -> dict[str, float]:
+    wanted = ("error", "pred")
+    return {f"{m}:{k}": round(v, 4) for m, f in d["from"].items() for k, v in f.items()
+            if k.startswith(wanted) and isinstance(v, float)}  # fmt: skip
 
 
 def replace_cores(profile: RunProfile) -> RunProfile:

@@ -167,14 +167,18 @@ def test_lost_rollout_node_is_replaced_and_its_episodes_replayed(nodes: Nodes, t
     config = _write_config(tmp_path, run_dir, {"ray": ray_section})
     log = tmp_path / "log.txt"
     proc = _start([str(config)], _job_env(nodes), log)
+    added = [trainer_node]
     try:
         _wait_for("the first step", lambda: _steps_logged(run_dir) >= 1, proc, log)
         nodes.remove(rollout)
         time.sleep(3.0)  # the job sees its engine and env workers gone (pending: no node has their labels)
         replacement = nodes.add("rollout-a")
+        added.append(replacement)
         assert _finish(proc, timeout=400) == 0, log.read_text()[-3000:]
     finally:
         _kill(proc)
+        for node in added:  # the next test starts from the head alone
+            nodes.remove(node)
     summary = json.loads((run_dir / "summary.json").read_text())
     faults = summary["faults"]
     assert summary["rl_steps"] == STEPS and summary["runtime"] == "ray (joined cluster)"
@@ -183,12 +187,13 @@ def test_lost_rollout_node_is_replaced_and_its_episodes_replayed(nodes: Nodes, t
     assert {"engine 0", "env_worker 0", "env_worker 1"} <= set(lost["held"])
     moved = {m["actor"]: m for m in faults["actors_moved"]}
     assert moved["engine 0"]["to"] == replacement.node_id and "trainer 0" not in moved
-    assert faults["engine_restarts"] >= 1 and sum(faults["retried_episodes"].values()) >= 1, faults
-    assert faults["lost_after_retries"] == 0
+    # the episodes in flight on the lost node (none when the window happened to be full) were replayed in full
+    assert faults["engine_restarts"] >= 1 and faults["lost_after_retries"] == 0, faults
+    assert len(faults["retried_ids"]) == sum(faults["retried_episodes"].values())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("rollout/error_frac", 0) for r in rows) == 0
     assert summary["max_staleness_seen"] <= 1  # the new engine got the current weights before serving
     _trained_once(run_dir, summary)
-    nodes.remove(replacement)
-    nodes.remove(trainer_node)
 
 
 def test_lost_trainer_node_ends_the_job_and_resume_completes_it(nodes: Nodes, tmp_path: Path) -> None:
@@ -215,13 +220,15 @@ def test_lost_trainer_node_ends_the_job_and_resume_completes_it(nodes: Nodes, tm
 
     log2 = tmp_path / "resume.txt"
     proc = _start(["--resume", str(run_dir)], env, log2)
-    assert _finish(proc, timeout=400) == 0, log2.read_text()[-3000:]
+    try:
+        assert _finish(proc, timeout=400) == 0, log2.read_text()[-3000:]
+    finally:
+        nodes.remove(rollout)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"].endswith(f"step_{kept:06d}.pt")
     faults = summary["faults"]
-    assert faults["nodes_lost"] == [] and faults["nodes_now"] == faults["nodes_at_start"] == 2
+    assert faults["nodes_lost"] == [] and faults["nodes_now"] == faults["nodes_at_start"]
     (trainer_at,) = faults["placement"]["trainer"]  # replaced: no node has its labels any more
     assert trainer_at not in (None, trainer_node.node_id)
     trained = _trained_once(run_dir, summary)
     assert len(trained) == STEPS * 2 * 4
-    nodes.remove(rollout)
