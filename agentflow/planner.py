@@ -29,8 +29,8 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,12 +118,9 @@ class SimResult:
     """Trainer wall time / its work at full speed (above 1 when it shared the cores)."""
     steady_samples_per_s: float
     """Trained samples/s after the first step (leaves out filling the window, which a short simulation overweights)."""
-    step_s: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d.pop("step_s")
-        return d
+        return dict(self.__dict__)
 
 
 # ------------------------------------------------------------------------------------------------ the run's profile
@@ -318,7 +315,6 @@ async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
     m = store.metrics()
     busy = sum(b - a for a, b in trainer.busy)
     work = sum(trainer.step_s(k) for k in trainer.samples)
-    steps = [b - a for a, b in zip([start, *clock.ends], clock.ends, strict=False)]
     return SimResult(
         samples_per_s=len(result.trained_ids) / wall,
         wall_s=wall,
@@ -328,12 +324,11 @@ async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
         engine_idle_fraction=1 - statistics.mean(e.busy_s for e in engines) / wall,
         trainer_idle_fraction=1 - busy / wall,
         trainer_stretch=busy / work if work else 1.0,
-        steady_samples_per_s=_steady(clock.ends, len(result.trained_ids), start, wall),
-        step_s=steps,
+        steady_samples_per_s=_steady(clock.ends, len(result.trained_ids), wall),
     )
 
 
-def _steady(ends: list[float], trained: int, start: float, wall: float) -> float:
+def _steady(ends: list[float], trained: int, wall: float) -> float:
     if len(ends) < 2:
         return trained / wall
     per_step = trained / len(ends)
@@ -443,10 +438,6 @@ def plan(
         "rows": rows,
         "replay": "not available: the store has no replay yet",
     }
-
-
-def progress_printer(enabled: bool) -> Callable[[str], None]:
-    return (lambda msg: print(msg, flush=True)) if enabled else (lambda msg: None)
 
 
 def run_plan(args: Any) -> int:
