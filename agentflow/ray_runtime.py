@@ -138,8 +138,10 @@ class EngineActor:
         self.incarnation = uuid.uuid4().hex
 
     def info(self) -> dict[str, Any]:
-        version = self.engine.weight_version
-        return {"incarnation": self.incarnation, "version": version, "pid": os.getpid(), "node": _node_id()}
+        return {"incarnation": self.incarnation, "version": self.engine.weight_version, "pid": os.getpid()}
+
+    def node(self) -> str:
+        return _node_id()
 
     async def generate(self, ids: list[int], sampling: SamplingParams, rid: str | None) -> GenerateResult:
         return await self.engine.generate(ids, sampling, rid)
@@ -565,12 +567,10 @@ class RayRuntime:
         """The node of every actor, by role (None: it did not answer within ``timeout``, e.g. dead or pending)."""
         out: dict[str, list[str | None]] = {}
         for role, actors in self.actors.items():
-            calls = [a.info.remote() if role == "engine" else a.node.remote() for a in actors]
             nodes: list[str | None] = []
-            for ref in calls:
+            for ref in [a.node.remote() for a in actors]:
                 try:
-                    got = ray.get(ref, timeout=timeout)
-                    nodes.append(got["node"] if isinstance(got, dict) else got)
+                    nodes.append(ray.get(ref, timeout=timeout))
                 except (*LOST, ray.exceptions.GetTimeoutError):
                     nodes.append(None)
             out[role] = nodes
