@@ -146,6 +146,20 @@ class EngineConfig(Section):
     records them."""
 
 
+class ReplayConfig(Section):
+    max_reuse: int = Field(0, ge=0)
+    """Times a trained group may be trained again (0: no replay). Each time every one of its tokens must still be
+    within ``store.stale_steps`` versions of the trainer, so reuse beyond ``stale_steps`` never happens."""
+    ratio: float = Field(0.5, ge=0.0, lt=1.0)
+    """``fixed``: the share of each batch's groups taken from replay (``round(ratio * B)``, fewer while fewer are
+    eligible); ``adaptive``: the largest share. A batch always keeps at least one fresh group."""
+    schedule: Literal["fixed", "adaptive"] = "fixed"
+    """``adaptive`` replays only what generation cannot supply during one train step, from the measured rate of
+    finished groups and the trainer's step time (logged every step as ``store/replay_*``)."""
+    skip_uniform: bool = True
+    """Do not keep groups whose rewards are all equal: under group-relative advantages they have no policy gradient."""
+
+
 class StoreConfig(Section):
     batch_groups: int = Field(8, ge=1)
     """B: groups per train step."""
@@ -158,6 +172,8 @@ class StoreConfig(Section):
     length_aware: bool = True
     """``first_finished`` only: take the groups whose staleness deadline would otherwise be missed first (waiting for
     them if need be), so no group is dropped for being slow and training is not skewed toward short episodes."""
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    """Bounded replay: trained groups trained again, within the staleness bound, to keep the trainer busy."""
 
 
 class SFTConfig(Section):
@@ -270,6 +286,15 @@ class JobConfig(Section):
     transfer: dict[str, Any] = Field(default_factory=lambda: {"type": "inprocess"})
     """TransferMesh weight transport, tagged by ``type`` (inprocess | gloo | http | cuda_ipc); see
     transfer_mesh/transport.py."""
+
+    @model_validator(mode="after")
+    def _replay_needs_staleness(self) -> JobConfig:
+        if self.store.replay.max_reuse > 0 and self.run.mode == "sync":
+            raise ValueError(
+                "store.replay.max_reuse: replay needs a staleness bound above 0, and run.mode sync trains only tokens "
+                "of the current version (use async with store.stale_steps >= 1, or one_step)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _teacher_estimators(self) -> JobConfig:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,9 @@ class LoopResult:
     sync_s: list[float] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     """Held-out evaluations every ``eval.every_steps`` steps (``{"step": N, ...}``)."""
+    replay_counts: dict[str, int] = field(default_factory=dict)
+    """Group id -> times trained again from the replay pool (``store.replay``); ``trained_ids`` lists first trainings
+    only. Checkpointed, so a resumed run keeps counting."""
     recycled: int = 0
     """Generations aborted by a weight update and run again (``rollout.partial: recycle``) in trained groups."""
     episodes: int = 0
@@ -43,9 +46,11 @@ class LoopResult:
     """Of those, the ones that ended ``error`` (not scored, not trained)."""
     first_error: str | None = None
 
-    def record(self, steps: int, batch: list[Group], sync_s: float) -> None:
+    def record(self, steps: int, batch: list[Group], sync_s: float, replayed: Collection[str] = ()) -> None:
         self.steps = steps
-        trajs = [t for g in batch for t in g.trajectories]
+        for gid in replayed:
+            self.replay_counts[gid] = self.replay_counts.get(gid, 0) + 1
+        trajs = [t for g in batch if g.id not in replayed for t in g.trajectories]
         self.trained_ids += [t.id for t in trajs]
         self.recycled += sum(int(t.info.get("recycled", 0)) for t in trajs)
         self.episodes += len(trajs)
@@ -63,6 +68,7 @@ async def rl_loop(job: Job, resume: ResumeState | None = None, evaluate: Evaluat
     cfg, store = job.cfg, job.store
     result = LoopResult(steps=resume.step if resume else 0, start=time.monotonic())
     result.trained_ids = list(resume.trained_ids) if resume else []
+    result.replay_counts = dict(resume.replay_counts) if resume else {}
     feeder = asyncio.create_task(
         job.rollouts.feed(store, cfg.rollout.group_size, rollout_sampling(cfg), job.mixture,
                           resume.next_group_index if resume else 0)
@@ -78,7 +84,7 @@ async def rl_loop(job: Job, resume: ResumeState | None = None, evaluate: Evaluat
             await store.set_trainer_version(version)
             if cfg.run.mode == "sync":
                 await store.set_gate(True)
-            result.record(step + 1, batch, report["total_s"])
+            result.record(step + 1, batch, report["total_s"], store.last_replayed)
             extra = await _every_steps(job, result, evaluate)
             job.metrics.step(result.steps, train=metrics, rollout=batch_metrics(batch), store=store.metrics(),
                              sync=report, **extra)  # fmt: skip
@@ -125,6 +131,9 @@ async def save_checkpoint(job: Job, result: LoopResult) -> None:
         "step": result.steps,
         "version": job.trainer.version,
         "pending_ids": job.store.pending_ids(),  # accepted, not yet trained: informative, the journal is authoritative
+        "fresh_groups": job.store.fresh_taken,
+        "replay": job.store.replay_state(),  # group id -> replays so far, of the groups that may be trained again
+        "replay_counts": dict(result.replay_counts),
     }
     await asyncio.to_thread(job.trainer.save_checkpoint, job.metrics.checkpoint_path(result.steps), extra)
 

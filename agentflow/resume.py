@@ -5,6 +5,9 @@ every accepted one. Resuming loads the checkpoint into the trainer and puts the 
 list back into the store, in dispatch order, ahead of anything new. So no accepted trajectory is lost (it is either
 in the list or restored) and none is trained twice (the restored ones are exactly those not in the list; steps the
 crashed trainer took after its last checkpoint are lost together with their weights, so their groups train again).
+With replay on, the checkpoint also records the replay pool (group id -> replays so far) and how many fresh groups
+were trained; those groups come back from the journal into the pool with their counts, so no group is trained more
+than ``1 + max_reuse`` times in the checkpoint's lineage.
 
 Checkpoints are written to a temporary file and renamed (trainer side), so a crash during a write leaves a ``.tmp``
 file that is ignored here; a checkpoint that does not load is skipped for the one before it.
@@ -38,6 +41,12 @@ class ResumeState:
     groups: list[Group] = field(default_factory=list)
     next_group_index: int = 0
     skipped_checkpoints: list[str] = field(default_factory=list)
+    fresh_groups: int | None = None
+    """Fresh groups trained up to the checkpoint (None: an older checkpoint, ``B`` per step)."""
+    replayable: list[tuple[Group, int]] = field(default_factory=list)
+    """The checkpoint's replay pool: groups that may be trained again and their replays so far."""
+    replay_counts: dict[str, int] = field(default_factory=dict)
+    """Group id -> times trained again, over the checkpoint's lineage."""
 
 
 def group_index(group_id: str) -> int:
@@ -115,5 +124,26 @@ def plan_resume(run_dir: str | Path, load: Callable[[str], dict[str, Any]], grou
         raise ResumeError(f"checkpoint {path} lists a trajectory as trained twice")
     step = int(extra.get("step", 0))
     journal = Journal.read(run_dir / "journal.jsonl")
-    groups, next_index = untrained_groups(journal, set(trained), group_size, int(extra.get("version", step)))
-    return ResumeState(path, step, trained, groups, next_index, skipped)
+    version = int(extra.get("version", step))
+    groups, next_index = untrained_groups(journal, set(trained), group_size, version)
+    fresh = None if extra.get("fresh_groups") is None else int(extra["fresh_groups"])
+    replayable = replay_pool(journal, set(trained), dict(extra.get("replay", {})), version)
+    counts = {str(k): int(v) for k, v in dict(extra.get("replay_counts", {})).items()}
+    return ResumeState(path, step, trained, groups, next_index, skipped, fresh, replayable, counts)
+
+
+def replay_pool(
+    journal: list[Trajectory], trained: set[str], replays: dict[str, int], version: int
+) -> list[tuple[Group, int]]:
+    """The checkpoint's replay pool rebuilt from the journal: every group it names must be there, wholly trained."""
+    by_group: dict[str, list[Trajectory]] = {}
+    for t in journal:
+        if t.group_id in replays:
+            by_group.setdefault(t.group_id, []).append(t)
+    out = []
+    for gid, n in replays.items():
+        trajs = by_group.get(gid, [])
+        if not trajs or not all(t.id in trained for t in trajs):
+            raise ResumeError(f"checkpoint's replay pool names group {gid}, which the journal does not hold as trained")
+        out.append((Group(id=gid, task_seed=-1, trajectories=trajs, dispatch_version=version), int(n)))
+    return out

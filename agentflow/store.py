@@ -10,6 +10,11 @@ staleness would exceed the bound when collected is not trained; it stays in the 
 
 Staleness of a trajectory trained at trainer version ``t`` is ``t - (its oldest token version)`` (docs/architecture.md).
 Episode length, for the length-bias accounting, is the number of model-generated tokens of a trajectory.
+
+With replay (:mod:`agentflow.replay`) a batch is ``f`` fresh groups plus ``B - f`` trained-before ones, so the gate
+counts fresh groups: the n-th may start while ``n < F + f_t + stale_steps * f_plan``, where ``F`` is the fresh groups
+trained by the versions before the trainer's current one ``t``, ``f_t`` the fresh groups of version ``t``'s batch and
+``f_plan`` the scheduler's fresh groups per batch after it. With ``f = B`` (no replay) that is the gate above.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
+from agentflow.replay import ReplayPool, ReplayScheduler, Schedule
 from agentflow.types import NO_VERSION, Group, Trajectory
 
 
@@ -154,6 +160,7 @@ class TrajectoryStore:
         journal: Journal | None = None,
         collect: Collect = "fifo",
         length_aware: bool = True,
+        replay: ReplaySpec | None = None,
     ) -> None:
         if collect not in ("fifo", "first_finished"):
             raise ValueError(f"collect must be 'fifo' or 'first_finished', got {collect!r}")
@@ -181,6 +188,15 @@ class TrajectoryStore:
         self.trained_len = _Lengths()
         self.dropped_len = _Lengths()
         self.last_batch_len = _Lengths()
+        self.fresh_taken = 0  # fresh groups taken for training (B per batch without replay)
+        self._fresh_before = 0  # of those, the ones taken before the current trainer version's batch
+        self.pool: ReplayPool | None = None
+        self.scheduler: ReplayScheduler | None = None
+        if replay is not None and replay.max_reuse > 0:
+            self.pool = ReplayPool(replay.max_reuse, stale_steps, replay.skip_uniform)
+            self.scheduler = ReplayScheduler(batch_groups, replay.ratio, replay.schedule)
+        self.last_replayed: set[str] = set()
+        """Group ids of the last batch that were replays (trained before)."""
 
     @property
     def strategy(self) -> str:
@@ -200,8 +216,25 @@ class TrajectoryStore:
             self._dispatched += 1
 
     def _admits_one_more(self) -> bool:
-        ahead = self._dispatched < (self.trainer_version + self.stale_steps + 1) * self.batch_groups
+        ahead = self._dispatched < self._window_end()
         return self._gate_open and ahead and self.occupancy() < self.capacity
+
+    def _window_end(self) -> int:
+        """The gate: groups dispatched (live or trained) may not reach this count (see the module docstring)."""
+        if self.pool is None:
+            return (self.trainer_version + self.stale_steps + 1) * self.batch_groups
+        this_batch = self.fresh_taken - self._fresh_before or self._fresh_next()  # taken already, or still to take
+        return self._fresh_before + this_batch + self.stale_steps * self._fresh_plan()
+
+    def _fresh_plan(self) -> int:
+        return self.batch_groups if self.scheduler is None else self.scheduler.fresh_plan
+
+    def _fresh_next(self) -> int:
+        """Fresh groups the next batch needs: all ``B`` but what the pool can replay at the current version."""
+        if self.pool is None or self.scheduler is None:
+            return self.batch_groups
+        k = min(self.batch_groups - self.scheduler.fresh_plan, len(self.pool.eligible(self.trainer_version)))
+        return self.batch_groups - k
 
     async def set_gate(self, open_: bool) -> None:
         """Close to stop new dispatch (sync mode closes it while training and syncing weights)."""
@@ -216,6 +249,8 @@ class TrajectoryStore:
         # no await between journaling and making it collectable: a cancelled feeder cannot strand a journaled group
         self._finish(self._live[group.id], group)
         self.accepted += len(group.trajectories)
+        if self.scheduler is not None:
+            self.scheduler.on_accept()
         async with self._cond:
             self._cond.notify_all()
 
@@ -232,16 +267,28 @@ class TrajectoryStore:
             self.failed_groups += 1
             self._cond.notify_all()
 
-    def restore(self, groups: list[Group], trainer_version: int = 0) -> None:
-        """Resume: the trainer is at ``trainer_version`` (each version consumed ``B`` groups) and ``groups`` are the
-        journaled, untrained groups in dispatch order; ``fifo`` collects them first, before anything dispatched now.
+    def restore(
+        self,
+        groups: list[Group],
+        trainer_version: int = 0,
+        fresh_taken: int | None = None,
+        replayable: list[tuple[Group, int]] | None = None,
+    ) -> None:
+        """Resume: the trainer is at ``trainer_version`` having trained ``fresh_taken`` fresh groups (``B`` per version
+        without replay) and ``groups`` are the journaled, untrained groups in dispatch order; ``fifo`` collects them
+        first, before anything dispatched now. ``replayable``: the checkpoint's replay pool (group, replays so far).
 
         The window counts them as dispatched, so the next group is gated exactly as it would have been without the
         crash and restored groups keep their staleness bound (group ``n`` was sampled at a version
         ``>= n // B - stale_steps`` and is trained at ``n // B`` again). They count as finished for the length bias.
         """
         self.trainer_version = trainer_version
-        self._dispatched = trainer_version * self.batch_groups + len(groups)
+        self.fresh_taken = trainer_version * self.batch_groups if fresh_taken is None else fresh_taken
+        self._fresh_before = self.fresh_taken
+        self._dispatched = self.fresh_taken + len(groups)
+        for g, replays in replayable or []:
+            if self.pool is not None:
+                self.pool.add(g, replays)
         for g in groups:
             slot = _Slot(self._order, trainer_version)
             self._order += 1
@@ -266,13 +313,16 @@ class TrajectoryStore:
         capacity this batch frees until the new weights are in the engine).
         """
         async with self._cond:
+            want = self._plan_replays()
             while True:
                 self._drop_too_stale()
-                batch = self._choose()
+                k = self._replays_now(want)
+                batch = self._choose(self.batch_groups - k)
                 if batch is not None:
                     break
                 await self._cond.wait()
-            self._refuse_future_versions(batch)
+            replayed = self._take_replays(k)
+            self._refuse_future_versions(batch + replayed)
             self.last_batch_len = _Lengths()
             for g in batch:
                 del self._live[g.id]
@@ -281,11 +331,31 @@ class TrajectoryStore:
                 for t in g.trajectories:
                     if t.min_version() != NO_VERSION:
                         self.staleness_hist[self.trainer_version - t.min_version()] += 1
+                if self.pool is not None:
+                    self.pool.add(g)
+            self.fresh_taken += len(batch)
             if close_gate:
                 self._gate_open = False
                 self.gate_closures += 1
             self._cond.notify_all()
-            return batch
+            return batch + replayed
+
+    def _plan_replays(self) -> int:
+        if self.scheduler is None:
+            return 0
+        self.scheduler.on_request(asyncio.get_running_loop().time())
+        return self.scheduler.plan(ready=len(self._ready()))
+
+    def _replays_now(self, want: int) -> int:
+        return 0 if self.pool is None else min(want, len(self.pool.eligible(self.trainer_version)))
+
+    def _take_replays(self, k: int) -> list[Group]:
+        if self.pool is None or self.scheduler is None:
+            return []
+        replayed = self.pool.take(k, self.trainer_version)
+        self.last_replayed = {g.id for g in replayed}
+        self.scheduler.on_batch_out(asyncio.get_running_loop().time())
+        return replayed
 
     def _refuse_future_versions(self, batch: list[Group]) -> None:
         """A token newer than the trainer means an engine served weights this job never sent (a server left at a
@@ -298,42 +368,43 @@ class TrajectoryStore:
                         f"version {self.trainer_version}: the engine serves weights this job did not send"
                     )
 
-    def _choose(self) -> list[Group] | None:
+    def _choose(self, fresh: int) -> list[Group] | None:
+        """``fresh`` finished groups for the next batch by the ``collect`` strategy, or None until they are there."""
         if self.collect == "fifo":
-            return self._oldest_if_finished()
+            return self._oldest_if_finished(fresh)
         ready = sorted(self._ready(), key=lambda s: s.finished)
-        picks = self._due_picks(ready) if self.length_aware else []
+        picks = self._due_picks(ready, fresh) if self.length_aware else []
         if picks is None:
             return None
-        picks += [s for s in ready if s not in picks][: self.batch_groups - len(picks)]
-        return [s.group for s in picks] if len(picks) == self.batch_groups else None
+        picks += [s for s in ready if s not in picks][: fresh - len(picks)]
+        return [s.group for s in picks] if len(picks) == fresh else None
 
-    def _oldest_if_finished(self) -> list[Group] | None:
-        """The ``B`` oldest-dispatched groups when all of them have finished (FIFO collection), else None.
+    def _oldest_if_finished(self, fresh: int) -> list[Group] | None:
+        """The ``fresh`` oldest-dispatched groups when all of them have finished (FIFO collection), else None.
 
         Strict FIFO is what makes the window a staleness bound: a group admitted while fewer than ``C`` groups were
         ahead of it is trained within ``1 + stale_steps`` batches, so nothing has to be dropped.
         """
-        head = sorted(self._live.values(), key=lambda s: s.order)[: self.batch_groups]
-        if len(head) < self.batch_groups or any(s.group is None for s in head):
+        head = sorted(self._live.values(), key=lambda s: s.order)[:fresh]
+        if len(head) < fresh or any(s.group is None for s in head):
             return None
         return [s.group for s in head]
 
-    def _due_picks(self, ready: list[_Slot]) -> list[_Slot] | None:
+    def _due_picks(self, ready: list[_Slot], fresh: int) -> list[_Slot] | None:
         """The finished groups this batch must take so that no live group misses its deadline (earliest finished
         first among those that qualify), or None while a required group is still running.
 
         Requirements are capped at ``B``: more can only happen when the bound was already broken (a resumed run, an
         engine behind the trainer), and then the earliest deadlines go first and the rest are dropped as stale.
         """
-        t, b, s = self.trainer_version, self.batch_groups, self.stale_steps
+        t, b, s, plan = self.trainer_version, fresh, self.stale_steps, self._fresh_plan()
         # an in-flight group already past its deadline will be dropped when it finishes: waiting for it helps nobody
         deadlines = sorted(d for d in (x.deadline(s) for x in self._live.values()) if d >= t)
         picks: list[_Slot] = []
         for i, j in enumerate(deadlines):
             if i + 1 < len(deadlines) and deadlines[i + 1] == j:
                 continue  # count all groups with this deadline first
-            need = min(b, i + 1 - (j - t) * b)
+            need = min(b, i + 1 - (j - t) * plan)
             have = sum(1 for p in picks if p.deadline(s) <= j)
             for x in ready:
                 if have >= need:
@@ -356,7 +427,14 @@ class TrajectoryStore:
     async def set_trainer_version(self, version: int) -> None:
         async with self._cond:
             self.trainer_version = version
+            self._fresh_before = self.fresh_taken
+            if self.pool is not None:
+                self.pool.expire(version)
             self._cond.notify_all()
+
+    def replay_state(self) -> dict[str, int]:
+        """The replay pool for a checkpoint: group id -> replays so far (empty without replay)."""
+        return {} if self.pool is None else self.pool.state()
 
     def metrics(self) -> dict[str, float]:
         """Staleness, window and length-bias numbers (logged every step, and the last ones go into summary.json).
@@ -369,9 +447,15 @@ class TrajectoryStore:
         mean = sum(k * v for k, v in self.staleness_hist.items()) / n if n else 0.0
         fin = self.finished_len.mean()
         ready = len(self._ready())
+        replay: dict[str, float] = {}
+        if self.pool is not None and self.scheduler is not None:
+            share = len(self.last_replayed) / self.batch_groups
+            replay = {"replay_share": share, **self.pool.metrics(), **self.scheduler.metrics()}
+        seen = max(self.staleness_hist, default=0)
         return {
+            **replay,
             "mean_staleness": mean,
-            "max_staleness_seen": max(self.staleness_hist, default=0),
+            "max_staleness_seen": max(seen, self.pool.metrics()["replay_max_staleness"]) if self.pool else seen,
             "dropped_stale_groups": self.dropped_stale,
             "gate_closures": self.gate_closures,
             "failed_groups": self.failed_groups,
@@ -387,3 +471,12 @@ class TrajectoryStore:
 
     def histogram(self) -> dict[str, int]:
         return {str(k): v for k, v in sorted(self.staleness_hist.items())}
+
+
+class ReplaySpec(Protocol):
+    """What the store reads of the ``store.replay`` config section."""
+
+    max_reuse: int
+    ratio: float
+    schedule: Schedule
+    skip_uniform: bool

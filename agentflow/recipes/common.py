@@ -145,6 +145,27 @@ def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
             "trainer": [(a - result.start, b - result.start) for a, b in trainer_spans],
         },
         "runtime": f"ray ({job.runtime.cluster} cluster)" if job.runtime is not None else "local processes",
+        "replay": replay_summary(job, result),
+    }
+
+
+def replay_summary(job: Job, result: LoopResult) -> dict[str, Any] | None:
+    """Bounded replay (``store.replay``): how often groups were trained, and how stale the replayed tokens were."""
+    pool, sm = job.store.pool, job.store.metrics()
+    if pool is None:
+        return None
+    r = job.cfg.store.replay
+    return {
+        "max_reuse": r.max_reuse,
+        "ratio": r.ratio,
+        "schedule": r.schedule,
+        "replayed_groups": sum(result.replay_counts.values()),
+        "fresh_groups": job.store.fresh_taken,
+        "trainings_per_group": pool.trainings(),  # times trained in all -> groups
+        "replayed_staleness_histogram": {str(k): v for k, v in sorted(pool.staleness_hist.items())},
+        "replay_max_staleness": sm["replay_max_staleness"],
+        "expired": sm["replay_expired"],
+        "skipped_uniform": sm["replay_skipped_uniform"],
     }
 
 

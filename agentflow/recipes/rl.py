@@ -98,7 +98,7 @@ async def _resume(job: Job, log: Log) -> ResumeState:
     state = await asyncio.to_thread(plan_resume, job.run_dir, job.trainer.load_checkpoint, job.cfg.rollout.group_size)
     if state.checkpoint is not None:
         await sync_weights(job.trainer, job.transport)
-    job.store.restore(state.groups, job.trainer.version)
+    job.store.restore(state.groups, job.trainer.version, state.fresh_groups, state.replayable)
     n = sum(len(g.trajectories) for g in state.groups)
     log(
         f"resumed {job.run_dir} at step {state.step} from {state.checkpoint or 'the start (no checkpoint)'}: "

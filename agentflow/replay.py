@@ -1,0 +1,203 @@
+"""Bounded replay: trained groups trained again while every one of their tokens stays within the staleness bound.
+
+A batch of ``B`` groups is ``B - k`` fresh groups (never trained) plus ``k`` replayed ones (trained before). A group
+enters the :class:`ReplayPool` when it is first trained and may be replayed up to ``max_reuse`` times, but only at
+trainer versions ``t`` with ``t - (its oldest token version) <= stale_steps``: the store's bound holds for replayed
+tokens exactly as for fresh ones, and the trainer's off-policy correction (the importance ratio to the sampling
+log-probs recorded with every token) applies to them unchanged. Groups whose rewards are all equal are not kept:
+under group-relative advantages they contribute no policy gradient, so replaying one spends a batch slot on nothing.
+
+How many of a batch are replayed is the :class:`ReplayScheduler`'s choice: ``fixed`` takes ``round(ratio * B)``
+whenever that many are eligible; ``adaptive`` measures the rate at which fresh groups finish and the trainer's step
+time, and replays only what generation cannot supply during one step (never more than ``ratio * B``). Either way a
+batch keeps at least one fresh group, so the job always moves on to new data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+from agentflow.types import NO_VERSION, Group
+
+Schedule = Literal["fixed", "adaptive"]
+
+
+def uniform_rewards(group: Group) -> bool:
+    """True when the group's scored trajectories all have the same reward (or none is scored)."""
+    rewards = {t.reward for t in group.trajectories if t.status in ("ok", "truncated") and t.reward is not None}
+    return len(rewards) <= 1
+
+
+@dataclass(eq=False)
+class _Entry:
+    group: Group
+    min_version: int
+    replays: int = 0  # times trained again so far (the first training is not counted)
+
+
+class ReplayPool:
+    """Trained groups that may be trained again: at most ``max_reuse`` more times, each within the staleness bound."""
+
+    def __init__(self, max_reuse: int, stale_steps: int, skip_uniform: bool = True) -> None:
+        self.max_reuse = max_reuse
+        self.stale_steps = stale_steps
+        self.skip_uniform = skip_uniform
+        self._entries: dict[str, _Entry] = {}
+        self.replayed_groups = 0
+        self.expired = 0  # left the pool because their tokens passed the bound before their reuses ran out
+        self.skipped_uniform = 0
+        self.staleness_hist: Counter[int] = Counter()  # of replayed trajectories, at the version they were replayed
+        self.trainings_hist: Counter[int] = Counter()  # times trained in all, of every group that left the pool
+        self.last_replayed: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, group: Group, replays: int = 0) -> None:
+        """A group just trained (``replays`` > 0: restored on resume with the replays it already had)."""
+        if self.max_reuse <= 0 or replays >= self.max_reuse or group.min_version() == NO_VERSION:
+            self.trainings_hist[1 + replays] += 1
+            return
+        if self.skip_uniform and uniform_rewards(group):
+            self.skipped_uniform += 1
+            self.trainings_hist[1 + replays] += 1
+            return
+        self._entries[group.id] = _Entry(group, group.min_version(), replays)
+
+    def eligible(self, trainer_version: int) -> list[_Entry]:
+        """Entries that may be trained at ``trainer_version``: fewest replays first, then freshest tokens first."""
+        ok = [e for e in self._entries.values() if trainer_version - e.min_version <= self.stale_steps]
+        return sorted(ok, key=lambda e: (e.replays, -e.min_version))
+
+    def take(self, k: int, trainer_version: int) -> list[Group]:
+        """Up to ``k`` eligible groups for the batch trained at ``trainer_version``; their reuse is counted."""
+        picks = self.eligible(trainer_version)[:k]
+        for e in picks:
+            staleness = trainer_version - e.min_version
+            assert 0 <= staleness <= self.stale_steps, "replay past the staleness bound"
+            e.replays += 1
+            self.replayed_groups += 1
+            for t in e.group.trajectories:
+                if t.min_version() != NO_VERSION:
+                    self.staleness_hist[trainer_version - t.min_version()] += 1
+            if e.replays >= self.max_reuse:
+                self._remove(e)
+        self.last_replayed = [e.group.id for e in picks]
+        return [e.group for e in picks]
+
+    def expire(self, trainer_version: int) -> None:
+        """Drop entries whose oldest token has passed the bound (they can never be trained again)."""
+        for e in list(self._entries.values()):
+            if trainer_version - e.min_version > self.stale_steps:
+                self.expired += 1
+                self._remove(e)
+
+    def _remove(self, e: _Entry) -> None:
+        del self._entries[e.group.id]
+        self.trainings_hist[1 + e.replays] += 1
+
+    def state(self) -> dict[str, int]:
+        """Group id -> replays so far, of every group still in the pool (what a checkpoint records)."""
+        return {gid: e.replays for gid, e in self._entries.items()}
+
+    def metrics(self) -> dict[str, float]:
+        n = sum(self.staleness_hist.values())
+        return {
+            "replayed_groups": self.replayed_groups,
+            "replay_pool": len(self._entries),
+            "replay_expired": self.expired,
+            "replay_skipped_uniform": self.skipped_uniform,
+            "replay_mean_staleness": sum(k * v for k, v in self.staleness_hist.items()) / n if n else 0.0,
+            "replay_max_staleness": max(self.staleness_hist, default=0),
+        }
+
+    def trainings(self) -> dict[str, int]:
+        """Times trained in all -> number of groups, over every group trained so far (those in the pool included)."""
+        hist = self.trainings_hist + Counter(1 + e.replays for e in self._entries.values())
+        return {str(k): v for k, v in sorted(hist.items())}
+
+
+@dataclass
+class _Ema:
+    alpha: float = 0.3
+    value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.alpha * x + (1 - self.alpha) * self.value
+
+
+@dataclass
+class ReplayScheduler:
+    """How many of the next batch's ``B`` groups are replayed, and how many fresh groups dispatch plans for.
+
+    ``adaptive``: with ``g`` the measured rate at which fresh groups finish (groups/s, between batch requests) and
+    ``T`` the trainer's time from taking a batch to asking for the next (score, train, weight sync), generation
+    supplies about ``g * T`` fresh groups per step. The next batch takes ``max(ceil(g * T), ready)`` fresh groups
+    (``ready``: finished ones already waiting, so a backlog is trained rather than replayed over), between
+    ``B - k_max`` and ``B``; the rest is replayed. Before the first measurement it takes ``B`` fresh.
+    """
+
+    batch_groups: int
+    ratio: float
+    schedule: Schedule = "fixed"
+    rate: _Ema = field(default_factory=_Ema)
+    step_s: _Ema = field(default_factory=_Ema)
+    last: dict[str, float] = field(default_factory=dict)
+    """The last decision (logged with every step's store metrics)."""
+    _last_out: float | None = None
+    _last_request: float | None = None
+    _accepted_since: int = 0
+    _fresh_plan: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule == "fixed":  # the window plans for the fixed share from the start
+            self._fresh_plan = self.batch_groups - self.max_replays
+
+    @property
+    def max_replays(self) -> int:
+        """``round(ratio * B)``, leaving at least one fresh group per batch."""
+        return max(0, min(self.batch_groups - 1, round(self.ratio * self.batch_groups)))
+
+    def on_accept(self) -> None:
+        self._accepted_since += 1
+
+    def on_request(self, now: float) -> None:
+        """The trainer asks for a batch: its step time since the last batch, the generation rate since the last ask."""
+        if self._last_out is not None:
+            self.step_s.add(now - self._last_out)
+        if self._last_request is not None and now > self._last_request:
+            self.rate.add(self._accepted_since / (now - self._last_request))
+        self._last_request, self._accepted_since = now, 0
+
+    def on_batch_out(self, now: float) -> None:
+        self._last_out = now
+
+    def plan(self, ready: int) -> int:
+        """Replays wanted for the next batch, given ``ready`` finished fresh groups waiting."""
+        b = self.batch_groups
+        if self.schedule == "fixed":
+            k = self.max_replays
+        elif self.rate.value is None or self.step_s.value is None:
+            k = 0
+        else:
+            supply = math.ceil(self.rate.value * self.step_s.value - 1e-9)
+            k = b - min(b, max(supply, ready, b - self.max_replays))
+        self._fresh_plan = b - k
+        self.last = {"replay_wanted": k, "replay_ready_at_request": ready}
+        return k
+
+    @property
+    def fresh_plan(self) -> int:
+        """Fresh groups per batch that dispatch plans ahead for (the window): the last plan, or ``B`` before one."""
+        return self.batch_groups if self._fresh_plan is None else self._fresh_plan
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {"replay_fresh_plan": self.fresh_plan, **self.last}
+        if self.rate.value is not None:
+            out["replay_gen_rate"] = self.rate.value
+        if self.step_s.value is not None:
+            out["replay_step_s"] = self.step_s.value
+        return out

@@ -1,0 +1,198 @@
+"""Bounded replay in the store: reuse counts, the staleness bound on replayed tokens, batch composition, the window,
+the adaptive scheduler, and checkpoint/resume of the pool."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+import pytest
+
+from agentflow.config import ConfigError, ReplayConfig, load_config
+from agentflow.replay import ReplayPool, ReplayScheduler
+from agentflow.resume import ResumeError, replay_pool
+from agentflow.store import TrajectoryStore
+from agentflow.types import Group, Segment, Trajectory
+from agentflow.virtual_clock import VirtualLoop
+
+
+def _group(gid: str, version: int, rewards: tuple[float, ...] = (1.0, 0.0), length: int = 3) -> Group:
+    trajs = []
+    for i, r in enumerate(rewards):
+        seg = Segment()
+        seg.append_context([1, 2])
+        seg.append_generated([3] * length, [-0.1] * length, [version] * length)
+        trajs.append(Trajectory(id=f"{gid}-{i}", task_id="t", group_id=gid, env_id="e", segments=[seg], reward=r))
+    return Group(id=gid, task_seed=0, trajectories=trajs, dispatch_version=version)
+
+
+def test_pool_replays_within_the_bound_and_at_most_max_reuse_times():
+    pool = ReplayPool(max_reuse=2, stale_steps=2)
+    pool.add(_group("a", 0))
+    pool.add(_group("b", 1))
+    assert [g.id for g in pool.take(1, 2)] == ["b"]  # fewest replays, then freshest tokens
+    assert [g.id for g in pool.take(2, 2)] == ["a", "b"]
+    assert len(pool) == 1 and pool.state() == {"a": 1}  # b reached max_reuse and left
+    assert pool.take(1, 3) == []  # a's tokens (version 0) are 3 stale at version 3: never replayed
+    pool.expire(3)
+    assert len(pool) == 0 and pool.expired == 1
+    assert pool.trainings() == {"2": 1, "3": 1}  # a trained twice in all, b three times
+    assert pool.staleness_hist == Counter({1: 4, 2: 2})  # per replayed trajectory: b at 1 twice, a at 2 once
+
+
+def test_pool_leaves_out_groups_without_a_gradient():
+    pool = ReplayPool(max_reuse=3, stale_steps=3)
+    pool.add(_group("same", 0, rewards=(1.0, 1.0)))
+    pool.add(_group("mixed", 0))
+    assert pool.state() == {"mixed": 0} and pool.skipped_uniform == 1
+    keep_all = ReplayPool(max_reuse=3, stale_steps=3, skip_uniform=False)
+    keep_all.add(_group("same", 0, rewards=(1.0, 1.0)))
+    assert keep_all.state() == {"same": 0}
+
+
+def test_fixed_ratio_batches_mix_fresh_and_replayed_groups():
+    async def go():
+        spec = ReplayConfig(max_reuse=1, ratio=0.5, schedule="fixed")
+        store = TrajectoryStore(batch_groups=2, stale_steps=2, replay=spec)
+        for gid in ("g0", "g1", "g2", "g3"):
+            await store.acquire_slot(gid)
+            await store.accept(_group(gid, 0))
+        first = await store.get_batch()
+        assert [g.id for g in first] == ["g0", "g1"] and store.last_replayed == set()  # empty pool: all fresh
+        await store.set_trainer_version(1)
+        second = await store.get_batch()
+        assert [g.id for g in second] == ["g2", "g0"] and store.last_replayed == {"g0"}  # one fresh, one replayed
+        m = store.metrics()
+        assert m["replay_share"] == 0.5 and m["replayed_groups"] == 1 and m["replay_max_staleness"] == 1
+        assert store.fresh_taken == 3 and store.replay_state() == {"g1": 0, "g2": 0}  # g0 used its one reuse
+
+    asyncio.run(go())
+
+
+def test_replay_shrinks_the_dispatch_window_to_the_fresh_groups_per_batch():
+    async def go():
+        spec = ReplayConfig(max_reuse=2, ratio=0.5, schedule="fixed")
+        store = TrajectoryStore(batch_groups=4, stale_steps=1, replay=spec)
+        # an empty pool: the first batch needs 4 fresh groups, each later one 2, so 4 + 1 * 2 may be dispatched
+        for i in range(6):
+            await store.acquire_slot(f"g{i}")
+        blocked = asyncio.create_task(store.acquire_slot("g6"))
+        await asyncio.sleep(0.01)
+        assert not blocked.done()
+        blocked.cancel()
+
+    asyncio.run(go())
+
+
+def test_adaptive_replays_only_what_generation_cannot_supply():
+    s = ReplayScheduler(batch_groups=8, ratio=0.75, schedule="adaptive")
+    assert s.plan(ready=0) == 0  # nothing measured yet: all fresh
+    s.on_request(0.0)
+    s.on_batch_out(0.0)
+    for _ in range(3):
+        s.on_accept()
+    s.on_request(10.0)  # 3 groups in 10 s, a 10 s step: 3 fresh groups per step
+    assert s.rate.value == pytest.approx(0.3) and s.step_s.value == pytest.approx(10.0)
+    assert s.plan(ready=0) == 5 and s.fresh_plan == 3
+    assert s.plan(ready=7) == 1  # a backlog is trained before anything is replayed
+    assert s.plan(ready=20) == 0
+    slow = ReplayScheduler(batch_groups=8, ratio=0.5, schedule="adaptive")
+    slow.rate.add(0.0)
+    slow.step_s.add(1.0)
+    assert slow.plan(ready=0) == 4  # capped at ratio * B
+    assert ReplayScheduler(batch_groups=2, ratio=0.9).max_replays == 1  # a batch keeps one fresh group
+
+
+@pytest.mark.parametrize("collect", ["fifo", "first_finished"])
+@pytest.mark.parametrize("schedule", ["fixed", "adaptive"])
+def test_random_runs_keep_every_invariant(collect, schedule):
+    """Random episode and step times on a virtual clock: no replayed or fresh token beyond the bound, no group
+    trained more than 1 + max_reuse times, every accepted group trained (fresh) once or dropped, none lost."""
+    for seed in range(4):
+        _simulate(collect, schedule, seed)
+
+
+def _simulate(collect: str, schedule: str, seed: int) -> None:
+    rng = random.Random(seed)
+    b, s, reuse, steps = 3, 2, 2, 25
+    spec = ReplayConfig(max_reuse=reuse, ratio=0.67, schedule=schedule)
+    store = TrajectoryStore(batch_groups=b, stale_steps=s, collect=collect, replay=spec)  # type: ignore[arg-type]
+    accepted: list[str] = []
+    trainings: Counter[str] = Counter()
+
+    async def episode(i: int) -> None:
+        gid = f"g{i}"
+        version = store.trainer_version
+        await asyncio.sleep(rng.lognormvariate(0, 1))
+        rewards = (1.0, 1.0) if rng.random() < 0.2 else (1.0, 0.0)
+        await store.accept(_group(gid, version, rewards))
+        accepted.append(gid)
+
+    tasks: list[asyncio.Task] = []
+
+    async def feed() -> None:
+        i = 0
+        while True:
+            await store.acquire_slot(f"g{i}")
+            tasks.append(asyncio.create_task(episode(i)))
+            i += 1
+
+    async def train() -> None:
+        feeder = asyncio.create_task(feed())
+        for v in range(steps):
+            batch = await store.get_batch()
+            assert len(batch) == b and len({g.id for g in batch}) == b
+            for g in batch:
+                assert store.trainer_version - g.min_version() <= s, "trained past the staleness bound"
+                trainings[g.id] += 1
+            await asyncio.sleep(rng.uniform(0.05, 0.6))
+            await store.set_trainer_version(v + 1)
+        for t in [feeder, *tasks]:
+            t.cancel()
+        await asyncio.gather(feeder, *tasks, return_exceptions=True)
+
+    loop = VirtualLoop()
+    try:
+        loop.run_until_complete(train())
+    finally:
+        loop.close()
+    assert max(trainings.values()) <= 1 + reuse
+    assert store.pool is not None and store.pool.replayed_groups > 0  # replay actually happened
+    fresh = [g for g in trainings if g in accepted]
+    assert len(fresh) == store.fresh_taken == steps * b - sum(trainings.values()) + len(trainings)
+    pending = {i.rsplit("-", 1)[0] for i in store.pending_ids()}
+    assert set(accepted) == set(trainings) | pending | _dropped(store, accepted, trainings, pending)
+    assert store.metrics()["replay_max_staleness"] <= s
+
+
+def _dropped(store: TrajectoryStore, accepted: list[str], trained: Counter[str], pending: set[str]) -> set[str]:
+    dropped = set(accepted) - set(trained) - pending
+    assert len(dropped) == store.dropped_stale
+    return dropped
+
+
+def test_sync_mode_refuses_replay():
+    with pytest.raises(ConfigError, match="store.replay.max_reuse"):
+        load_config(None, ["run.mode=sync", "store.replay.max_reuse=2"])
+    load_config(None, ["run.mode=async", "store.replay.max_reuse=2", "store.replay.schedule=adaptive"])
+
+
+def test_resume_rebuilds_the_pool_from_the_journal():
+    journal = [t for gid in ("g0", "g1") for t in _group(gid, 0).trajectories]
+    trained = {t.id for t in journal}
+    pool = replay_pool(journal, trained, {"g1": 1}, version=2)
+    assert [(g.id, n, len(g.trajectories)) for g, n in pool] == [("g1", 1, 2)]
+    with pytest.raises(ResumeError, match="g7"):
+        replay_pool(journal, trained, {"g7": 0}, version=2)
+
+    async def go():
+        store = TrajectoryStore(batch_groups=2, stale_steps=2, replay=ReplayConfig(max_reuse=2))
+        store.restore([], trainer_version=2, fresh_taken=3, replayable=pool)
+        assert store.replay_state() == {"g1": 1} and store.fresh_taken == 3
+        await store.acquire_slot("g2")
+        await store.accept(_group("g2", 2))
+        batch = await store.get_batch()
+        assert [g.id for g in batch] == ["g2", "g1"] and store.replay_state() == {"g2": 0}  # g1 used its last reuse
+
+    asyncio.run(go())
