@@ -35,6 +35,8 @@ class LoopResult:
     sync_s: list[float] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     """Held-out evaluations every ``eval.every_steps`` steps (``{"step": N, ...}``)."""
+    eval_s: float = 0.0
+    """Seconds spent in those evaluations (rollouts go on meanwhile, the trainer waits)."""
     replay_counts: dict[str, int] = field(default_factory=dict)
     """Group id -> times trained again from the replay pool (``store.replay``); ``trained_ids`` lists first trainings
     only. Checkpointed, so a resumed run keeps counting."""
@@ -119,8 +121,15 @@ async def _every_steps(job: Job, result: LoopResult, evaluate: Evaluate | None) 
     if cfg.run.checkpoint_every and result.steps % cfg.run.checkpoint_every == 0:
         await save_checkpoint(job, result)
     if evaluate is not None and cfg.eval.every_steps and result.steps % cfg.eval.every_steps == 0:
+        t0 = time.monotonic()
         extra["eval"] = await evaluate()
-        result.evals.append({"step": result.steps, **extra["eval"]})
+        eval_s = time.monotonic() - t0
+        # what it took to get here: RL wall time without the evaluations, trajectories trained and generated
+        rl_s = t0 - result.start - result.eval_s
+        result.eval_s += eval_s
+        result.evals.append({"step": result.steps, **extra["eval"], "rl_s": rl_s, "eval_s": eval_s,
+                             "trained_trajectories": len(result.trained_ids),
+                             "generated_trajectories": job.store.accepted})  # fmt: skip
     return extra
 
 

@@ -196,3 +196,53 @@ def test_resume_rebuilds_the_pool_from_the_journal():
         assert [g.id for g in batch] == ["g2", "g1"] and store.replay_state() == {"g2": 0}  # g1 used its last reuse
 
     asyncio.run(go())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkill_with_replay_on_then_resume_loses_nothing_and_overtrains_nothing(tmp_path):
+    """A real job with replay: the trainer is SIGKILLed mid-run, ``--resume`` completes it. By trajectory id nothing
+    accepted is lost, none is trained fresh twice, and no group is trained more than ``1 + max_reuse`` times."""
+    import json
+    import os
+    import signal
+
+    import torch
+    from test_resume import STEPS, TINY, _kill_trainer, _start, _steps_logged, _wait
+
+    from agentflow.model_init import init_model
+    from agentflow.store import Journal
+
+    reuse = 2
+    extra = (
+        f"store.replay.max_reuse={reuse}",
+        "store.replay.ratio=0.5",
+        "store.stale_steps=2",
+        "store.replay.skip_uniform=false",
+    )  # a random model scores 0 everywhere: keep uniform groups
+    model = init_model(tmp_path / "model", TINY)
+    run_dir = tmp_path / "run"
+    procs = []
+    try:
+        procs.append(p := _start(run_dir, model, tmp_path / "log1.txt", resume=False, extra=extra))
+        _wait("step 5", lambda: _steps_logged(run_dir) >= 5, p, timeout=240)
+        _kill_trainer(run_dir, p, tmp_path / "log1.txt")
+        procs.append(p := _start(run_dir, model, tmp_path / "log2.txt", resume=True))
+        assert p.wait(timeout=400) == 0, (tmp_path / "log2.txt").read_text()[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert "resumed " in (tmp_path / "log2.txt").read_text()
+    final = torch.load(run_dir / "checkpoints" / f"step_{STEPS:06d}.pt", weights_only=False)["extra"]
+    trained, counts = final["trained_ids"], final["replay_counts"]
+    journal_ids = [t.id for t in Journal.read(run_dir / "journal.jsonl")]
+    assert len(trained) == len(set(trained)) and set(trained) <= set(journal_ids)  # each fresh once
+    assert set(final["pending_ids"]) == set(journal_ids) - set(trained)  # nothing lost
+    trained_groups = {i.rsplit("-", 1)[0] for i in trained}
+    assert counts and set(counts) <= trained_groups and max(counts.values()) <= reuse  # replayed, within the limit
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rl_steps"] == STEPS and summary["max_staleness_seen"] <= 2
+    assert summary["replay"]["replay_max_staleness"] <= 2
+    assert summary["replay"]["replayed_groups"] == sum(counts.values())

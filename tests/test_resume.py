@@ -103,7 +103,9 @@ def test_resume_needs_a_run_directory(tmp_path):
 # ------------------------------------------------------------------------------------------- crash and resume
 
 
-def _start(run_dir: Path, model: Path, log: Path, resume: bool, env_extra: dict | None = None) -> subprocess.Popen:
+def _start(
+    run_dir: Path, model: Path, log: Path, resume: bool, env_extra: dict | None = None, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     (run_dir / "processes.json").unlink(missing_ok=True)
     args = ["--resume", str(run_dir)] if resume else []
     overrides = [
@@ -122,6 +124,7 @@ def _start(run_dir: Path, model: Path, log: Path, resume: bool, env_extra: dict 
         "engine.max_len=384",
         "trainer.micro_batch_tokens=2048",
         "trainer.drop_uniform_groups=false",
+        *extra,
     ]
     if resume:
         overrides = []  # the run directory's saved config, unchanged

@@ -1,0 +1,190 @@
+"""Bounded replay vs none: async RL without replay, with a fixed replay share, and with the adaptive scheduler.
+
+Every run starts from the same warmed-up policy and takes the same number of optimizer steps; held-out success
+(``eval.episodes`` episodes) is measured every ``--eval-every`` steps together with the trajectories generated and the
+RL wall time so far (evaluations excluded). Per seed the target is the no-replay run's final success minus 0.02; a
+replay run's cost to target is its generated trajectories and RL seconds at the first evaluation that reaches it,
+compared with the no-replay run's (ratios, median over seeds). Also reported: final success, trainer and engine busy
+fractions, replayed share and the staleness of replayed tokens.
+
+    .venv/bin/python benchmarks/replay.py                     # demo: Calc with tool latency (as async_vs_sync.py)
+    .venv/bin/python benchmarks/replay.py --workload agentic  # the long-horizon job (configs/agentic.yaml)
+    .venv/bin/python benchmarks/replay.py --quick             # CI: a tiny random model, a few steps
+
+Writes ``benchmarks/results/replay.json`` (one section per workload; rerunning one workload keeps the other) and
+``replay.png``. Results of finished runs are saved after each run, so an interrupted benchmark keeps them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import _path  # noqa: F401  (must come before the project's imports: see _path.py)
+from async_vs_sync import TINY, SlowCalc, demo_policy
+
+import envs
+from agentflow.config import load_config
+from agentflow.model_init import init_model
+from agentflow.recipes.rl import run_job
+
+#: replay settings compared: name -> store overrides (the same staleness bound for all)
+SETTINGS = {
+    "none": [],
+    "fixed": ["store.replay.max_reuse=2", "store.replay.ratio=0.5", "store.replay.schedule=fixed"],
+    "adaptive": ["store.replay.max_reuse=2", "store.replay.ratio=0.75", "store.replay.schedule=adaptive"],
+}
+KEYS = ("success_before_rl", "success_after_rl", "rl_wall_s", "trajectories_trained", "engine_busy_fraction",
+        "trainer_busy_fraction", "mean_staleness", "max_staleness_seen", "dropped_stale_groups")  # fmt: skip
+
+
+def _overrides(args: argparse.Namespace, setting: str, seed: int, run_dir: Path, model: Path | None) -> list[str]:
+    o = SETTINGS[setting] + [
+        f"run.seed={seed}",
+        f"run.dir={run_dir}",
+        f"run.steps={args.steps}",
+        "run.progress=false",
+        "run.overwrite=true",
+        f"store.stale_steps={args.stale_steps}",
+        f"eval.every_steps={args.eval_every}",
+        f"eval.episodes={args.eval_episodes}",
+    ]
+    if args.workload == "demo":
+        o += ["env.id=bench/SlowCalc-v0", "env.kwargs={median_s: 0.3}", "sft.enabled=false", f"model.path={model}"]
+    elif model is not None:  # agentic --quick
+        o += [f"model.path={model}", "sft.enabled=false", "env.kwargs={task_types: [short]}"]
+    if args.quick:
+        o += ["store.batch_groups=2", "rollout.group_size=4", "trainer.drop_uniform_groups=false"]
+        o += ["store.replay.skip_uniform=false", "rollout.max_new_tokens=16", "engine.max_len=384"]
+    return o
+
+
+def run_one(args: argparse.Namespace, setting: str, seed: int, model: Path | None) -> dict[str, Any]:
+    run_dir = Path(args.runs) / f"replay-{args.workload}-{setting}-s{seed}"
+    config = "configs/demo.yaml" if args.workload == "demo" else "configs/agentic.yaml"
+    cfg = load_config(None if args.quick and args.workload == "demo" else config,
+                      _overrides(args, setting, seed, run_dir, model))  # fmt: skip
+    t0 = time.monotonic()
+    s = run_job(cfg, log=lambda *_: None)
+    out = {k: s.get(k) for k in KEYS}
+    out["job_wall_s"] = time.monotonic() - t0
+    out["generated_trajectories"] = s["evals"][-1]["generated_trajectories"] if s["evals"] else None
+    out["evals"] = [{k: e[k] for k in ("step", "success", "rl_s", "generated_trajectories")} for e in s["evals"]]
+    out["replay"] = s.get("replay")
+    return out
+
+
+def to_target(run: dict[str, Any], target: float) -> dict[str, float] | None:
+    """Trajectories generated and RL seconds at the first evaluation at or above ``target`` (None: never)."""
+    for e in run["evals"]:
+        if e["success"] >= target - 1e-9:
+            return {"step": e["step"], "generated_trajectories": e["generated_trajectories"], "rl_s": e["rl_s"]}
+    return None
+
+
+def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Per setting: medians over seeds, and the cost to reach the no-replay run's final success - 0.02."""
+    table: dict[str, Any] = {"settings": {}, "to_target": {}}
+    for name, by_seed in runs.items():
+        rs = list(by_seed.values())
+        table["settings"][name] = {k: statistics.median(r[k] for r in rs) for k in KEYS if rs[0].get(k) is not None}
+    for name in [n for n in runs if n != "none"]:
+        per_seed = {}
+        for seed, base in runs.get("none", {}).items():
+            if seed not in runs[name]:
+                continue
+            target = base["success_after_rl"] - 0.02
+            mine, ref = to_target(runs[name][seed], target), to_target(base, target)
+            ratio = None
+            if mine is not None and ref is not None:
+                ratio = {
+                    "trajectories": ref["generated_trajectories"] / max(mine["generated_trajectories"], 1),
+                    "wall": ref["rl_s"] / max(mine["rl_s"], 1e-9),
+                }
+            final_gap = runs[name][seed]["success_after_rl"] - base["success_after_rl"]
+            per_seed[seed] = {"target": target, "replay": mine, "none": ref, "savings": ratio, "final_gap": final_gap}
+        reached = [p["savings"] for p in per_seed.values() if p["savings"] is not None]
+        table["to_target"][name] = {
+            "per_seed": per_seed,
+            "seeds_reaching_target": len(reached),
+            "median_trajectory_saving": statistics.median(r["trajectories"] for r in reached) if reached else None,
+            "median_wall_saving": statistics.median(r["wall"] for r in reached) if reached else None,
+            "median_final_gap": statistics.median(p["final_gap"] for p in per_seed.values()) if per_seed else None,
+        }
+    return table
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = [w for w in ("demo", "agentic") if w in results]
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.6 * len(workloads)), squeeze=False)
+    colors = {"none": "tab:gray", "fixed": "tab:blue", "adaptive": "tab:green"}
+    for row, w in zip(axes, workloads, strict=True):
+        for name, by_seed in results[w]["runs"].items():
+            for i, r in enumerate(by_seed.values()):
+                xs = [e["generated_trajectories"] for e in r["evals"]]
+                ts = [e["rl_s"] for e in r["evals"]]
+                ys = [e["success"] for e in r["evals"]]
+                label = name if i == 0 else None
+                row[0].plot(xs, ys, color=colors.get(name), alpha=0.7, marker=".", label=label)
+                row[1].plot(ts, ys, color=colors.get(name), alpha=0.7, marker=".", label=label)
+        row[0].set(xlabel="trajectories generated", ylabel="held-out success", title=f"{w}: success vs samples")
+        row[1].set(xlabel="RL wall seconds (evaluations excluded)", title=f"{w}: success vs time")
+        row[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", choices=("demo", "agentic"), default="demo")
+    ap.add_argument("--quick", action="store_true", help="tiny random model, a few steps (CI)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--eval-every", type=int, default=None)
+    ap.add_argument("--eval-episodes", type=int, default=None)
+    ap.add_argument("--stale-steps", type=int, default=3, help="the staleness bound of every setting")
+    ap.add_argument("--runs", default="runs", help="where the run directories go")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    full = {"demo": (150, 15, 200), "agentic": (40, 10, 100)}[args.workload]
+    steps, every, episodes = (4, 2, 4) if args.quick else full
+    args.steps, args.eval_every = args.steps or steps, args.eval_every or every
+    args.eval_episodes = args.eval_episodes or episodes
+    envs.register("bench/SlowCalc-v0", SlowCalc, max_turns=3)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "replay.json"
+    results = json.loads(path.read_text()) if path.is_file() and not args.quick else {}
+    section: dict[str, Any] = {"runs": {}, "config": {k: v for k, v in vars(args).items() if k not in ("out", "runs")}}
+    results[args.workload] = section
+    with tempfile.TemporaryDirectory() as tmp:
+        model = None
+        if args.quick:
+            env_id = "agentflow/Calc-v0" if args.workload == "demo" else "agentflow/Trail-v0"
+            model = init_model(Path(tmp) / "model", TINY, env_ids=[env_id])
+            args.runs = tmp
+        elif args.workload == "demo":
+            model = demo_policy()
+        for seed in args.seeds:  # settings interleaved per seed, so machine noise hits all alike
+            for name in args.settings:
+                section["runs"].setdefault(name, {})[seed] = run_one(args, name, seed, model)
+                section.update(summarize(section["runs"]))
+                path.write_text(json.dumps(results, indent=2))
+                print(name, seed, {k: section["runs"][name][seed][k] for k in KEYS}, flush=True)
+    plot(results, out / "replay.png")
+    print(json.dumps({k: v for k, v in section.items() if k != "runs"}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
