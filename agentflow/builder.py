@@ -188,7 +188,7 @@ async def _trainer_engine_pool(
         stack.callback(runtime.close)
         trainer = await asyncio.to_thread(runtime.trainer, policy_dir, settings)
         stack.callback(trainer.close)
-        engine = await asyncio.to_thread(runtime.engine, policy_dir)
+        engine = await asyncio.to_thread(runtime.engine_pool if cfg.engine.elastic else runtime.engine, policy_dir)
         stack.callback(engine.close)
         pool = runtime.env_pool()
         stack.callback(pool.close)
@@ -197,7 +197,12 @@ async def _trainer_engine_pool(
     tr = cfg.trainer
     trainer = await asyncio.to_thread(make_trainer_group, policy_dir, settings, tp=tr.tp, dp=tr.dp, ep=tr.ep)
     stack.callback(trainer.close)
-    engine = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed)
+    if cfg.engine.elastic:  # a pool the controller resizes (each member its own seed)
+        from agentflow.engine.pool import EnginePool
+
+        engine = EnginePool(lambda k: make_engine(cfg.engine, policy_dir, seed=cfg.run.seed + k), 1)
+    else:
+        engine = make_engine(cfg.engine, policy_dir, seed=cfg.run.seed)
     stack.callback(engine.close)
     pool = EnvPool(first.env_id, dict(first.env_kwargs))
     stack.callback(pool.close)

@@ -117,6 +117,14 @@ class AgentConfig(Section):
     """Extra settings for a user-registered agent."""
 
 
+class ElasticChange(Section):
+    at_step: int = Field(ge=1)
+    """After this RL step (its weights already in the engines) ..."""
+    engines: int = Field(ge=1)
+    """... the job has this many engines: new ones start with the newest weights before they serve, surplus ones
+    take no new trajectory, finish their requests in flight and close."""
+
+
 class EngineConfig(Section):
     type: Literal["embedded", "sglang"] = "embedded"
     """Inference engine: the in-process CPU engine, or SGLang-protocol servers over HTTP (``urls``)."""
@@ -128,6 +136,12 @@ class EngineConfig(Section):
     """Embedded: keep finished sequences' KV in idle slots so a resumed episode pays only for its new tokens."""
     keep_cache_on_update: bool = False
     """Embedded: keep the prefix cache across weight updates (stale KV); by default an update flushes it."""
+    elastic: list[ElasticChange] = Field(default_factory=list)
+    """Resize the engine pool while the job runs (embedded engines, or engine actors under Ray), e.g.
+    ``[{at_step: 10, engines: 2}, {at_step: 30, engines: 1}]``. A trajectory sticks to one engine; one whose engine
+    leaves continues on another (its prefix is prefilled there again)."""
+    drain_timeout_s: float = Field(60.0, gt=0)
+    """How long a leaving engine may finish its requests in flight before they are aborted (partial outputs)."""
     urls: list[str] = Field(default_factory=list)
     """SGLang: server base URLs, e.g. ``["http://127.0.0.1:30000"]`` (one trajectory sticks to one server)."""
     api_key: str | None = None
@@ -286,6 +300,15 @@ class JobConfig(Section):
     transfer: dict[str, Any] = Field(default_factory=lambda: {"type": "inprocess"})
     """TransferMesh weight transport, tagged by ``type`` (inprocess | gloo | http | cuda_ipc); see
     transfer_mesh/transport.py."""
+
+    @model_validator(mode="after")
+    def _elastic_engines(self) -> JobConfig:
+        steps = [c.at_step for c in self.engine.elastic]
+        if len(steps) != len(set(steps)):
+            raise ValueError(f"engine.elastic: two changes at the same step ({sorted(steps)})")
+        if steps and self.engine.type == "sglang" and not self.ray.enabled:
+            raise ValueError("engine.elastic: SGLang servers are started outside the job; list them in engine.urls")
+        return self
 
     @model_validator(mode="after")
     def _replay_needs_staleness(self) -> JobConfig:

@@ -16,6 +16,7 @@ from typing import Any
 
 from agentflow.builder import Job
 from agentflow.config import JobConfig
+from agentflow.engine.pool import EnginePool
 from agentflow.resume import ResumeState
 from agentflow.rollout import first_error, outcomes, per_type_success
 from agentflow.store import TrajectoryStore
@@ -116,8 +117,10 @@ async def score_batch(job: Job, batch: list[Group]) -> list[Sample]:
 
 
 async def _every_steps(job: Job, result: LoopResult, evaluate: Evaluate | None) -> dict[str, Any]:
-    """Periodic work after a step: checkpoints (``run.checkpoint_every``), evaluations (``eval.every_steps``)."""
+    """Periodic work after a step: engine pool changes (``engine.elastic``), checkpoints (``run.checkpoint_every``),
+    evaluations (``eval.every_steps``)."""
     cfg, extra = job.cfg, {}
+    await resize_engines(job, result.steps)
     if cfg.run.checkpoint_every and result.steps % cfg.run.checkpoint_every == 0:
         await save_checkpoint(job, result)
     if evaluate is not None and cfg.eval.every_steps and result.steps % cfg.eval.every_steps == 0:
@@ -131,6 +134,18 @@ async def _every_steps(job: Job, result: LoopResult, evaluate: Evaluate | None) 
                              "trained_trajectories": len(result.trained_ids),
                              "generated_trajectories": job.store.accepted})  # fmt: skip
     return extra
+
+
+async def resize_engines(job: Job, step: int) -> None:
+    """``engine.elastic``: after ``step``, grow the pool (new engines get the newest weights first) or drain it."""
+    for change in (c for c in job.cfg.engine.elastic if c.at_step == step):
+        pool = job.engine
+        if not isinstance(pool, EnginePool):
+            raise TypeError(f"engine.elastic needs the job's engine to be an EnginePool, got {type(pool).__name__}")
+        while pool.size < change.engines:
+            await asyncio.to_thread(pool.add)
+        while pool.size > change.engines:
+            await pool.remove(drain_timeout_s=job.cfg.engine.drain_timeout_s)
 
 
 async def save_checkpoint(job: Job, result: LoopResult) -> None:

@@ -28,6 +28,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -43,6 +44,7 @@ from agentflow.ray_nodes import (
 from agentflow.types import GenerateResult, InferenceEngine, PauseMode, SamplingParams, ScoreResult
 
 if TYPE_CHECKING:
+    from agentflow.engine.pool import EnginePool
     from trainer.types import Sample
 
 try:  # ray is an optional dependency (the ``ray`` extra); importing this module without it fails at use
@@ -254,8 +256,11 @@ class TrainerActor:
 class RayEngine:
     """The controller's view of the engine actors: one engine to the agent loop and to the weight transports."""
 
-    def __init__(self, actors: list[Any], recover_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, actors: list[Any], recover_timeout_s: float = 300.0, on_close: Callable[[], None] | None = None
+    ) -> None:
         self.actors = actors
+        self._on_close = on_close
         self.recover_timeout_s = recover_timeout_s
         self._incarnations = [ray.get(a.info.remote())["incarnation"] for a in actors]
         self._version = 0
@@ -363,6 +368,8 @@ class RayEngine:
     def close(self) -> None:
         for a in self.actors:
             ray.kill(a)
+        if self._on_close is not None:
+            self._on_close()
 
 
 class RemoteEnv:
@@ -555,6 +562,32 @@ class RayRuntime:
         ]
         self.actors["engine"] = actors
         return RayEngine(actors, self.cfg.ray.recover_timeout_s)
+
+    def engine_pool(self, model_dir: Path) -> EnginePool:
+        """The engines as a resizable pool (``engine.elastic``): each actor its own member."""
+        from agentflow.engine.pool import EnginePool
+
+        def member(k: int) -> RayEngine:
+            actor = self.engine_actor(model_dir, k)
+            return RayEngine([actor], self.cfg.ray.recover_timeout_s, lambda: self.actors["engine"].remove(actor))
+
+        return EnginePool(member, self.cfg.ray.engines)
+
+    def engine_actor(self, model_dir: Path, k: int) -> Any:
+        """Engine actor ``k``: the first ``ray.engines`` on the placement group (or by label), later ones by label or
+        wherever Ray finds room (the group was sized at the start)."""
+        restarts = self.cfg.ray.max_restarts
+        if k < self.cfg.ray.engines or self.labels["engine"]:
+            opts = self._opts("engine", restarts)
+        else:
+            opts = {"num_cpus": self.cfg.ray.actor_cpus, "max_restarts": restarts}
+        actor = (
+            ray.remote(EngineActor)
+            .options(**opts, max_concurrency=1000)
+            .remote(self.cfg.engine, str(model_dir), self.cfg.run.seed + k)
+        )
+        self.actors["engine"].append(actor)
+        return actor
 
     def env_pool(self) -> RemoteEnvPool:
         cls = ray.remote(EnvWorker)

@@ -146,7 +146,18 @@ def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
         },
         "runtime": f"ray ({job.runtime.cluster} cluster)" if job.runtime is not None else "local processes",
         "replay": replay_summary(job, result),
+        "engine_pool": engine_pool_summary(job, result),
     }
+
+
+def engine_pool_summary(job: Job, result: LoopResult) -> dict[str, Any] | None:
+    """``engine.elastic``: every join and leave (seconds since the RL loop started) and the pool's size now."""
+    from agentflow.engine.pool import EnginePool
+
+    if not isinstance(job.engine, EnginePool):
+        return None
+    events = [{**e, "t": e["t"] - result.start} for e in job.engine.events]
+    return {"engines_now": job.engine.size, "events": events, "members": job.engine.members()}
 
 
 def replay_summary(job: Job, result: LoopResult) -> dict[str, Any] | None:
