@@ -113,6 +113,15 @@ class _Slot:
         return (self.min_version if self.group is not None else self.version) + stale_steps
 
 
+def _groups(slots: list[_Slot]) -> list[Group]:
+    """The groups of finished slots."""
+    out = []
+    for s in slots:
+        assert s.group is not None, "a slot still in flight was collected"
+        out.append(s.group)
+    return out
+
+
 @dataclass
 class _Lengths:
     """Running sum and count of episode lengths (model tokens per trajectory)."""
@@ -297,7 +306,7 @@ class TrajectoryStore:
 
     def pending_ids(self) -> list[str]:
         """Trajectory ids accepted (journaled) but not yet collected for training."""
-        return [t.id for s in sorted(self._ready(), key=lambda s: s.order) for t in s.group.trajectories]
+        return [t.id for g in _groups(sorted(self._ready(), key=lambda s: s.order)) for t in g.trajectories]
 
     def _ready(self) -> list[_Slot]:
         return [s for s in self._live.values() if s.group is not None]
@@ -377,7 +386,7 @@ class TrajectoryStore:
         if picks is None:
             return None
         picks += [s for s in ready if s not in picks][: fresh - len(picks)]
-        return [s.group for s in picks] if len(picks) == fresh else None
+        return _groups(picks) if len(picks) == fresh else None
 
     def _oldest_if_finished(self, fresh: int) -> list[Group] | None:
         """The ``fresh`` oldest-dispatched groups when all of them have finished (FIFO collection), else None.
@@ -388,7 +397,7 @@ class TrajectoryStore:
         head = sorted(self._live.values(), key=lambda s: s.order)[:fresh]
         if len(head) < fresh or any(s.group is None for s in head):
             return None
-        return [s.group for s in head]
+        return _groups(head)
 
     def _due_picks(self, ready: list[_Slot], fresh: int) -> list[_Slot] | None:
         """The finished groups this batch must take so that no live group misses its deadline (earliest finished
