@@ -17,8 +17,12 @@ sync-mode gate), :meth:`agentflow.rollout.Rollouts.feed` (dispatch into the wind
   to the run's ``train/train_s`` against ``train/samples``), then the weight sync its median ``sync/total_s``; new
   weights reach every engine when the sync ends.
 
-Not modelled: CPU contention between trainer and engines sharing cores, prefill cost apart from what the fitted
-speed absorbs, engine failures, replay (not implemented in the store yet), network limits of weight broadcast.
+- **Shared cores** (``cores``, one machine): engines, the trainer and tool calls' CPU (``env_cpu_s`` per env step)
+  draw on a :class:`~agentflow.simulated.Cpu` that slows every part when more threads run than there are cores.
+
+Not modelled: prefill cost apart from what the fitted speed absorbs, memory bandwidth shared beyond the core
+count, engine failures, network limits of weight broadcast. ``async+replay`` runs the store's adaptive replay
+(:data:`REPLAY`); its samples/s counts fresh samples, and ``updates_per_s`` the optimizer steps.
 """
 
 from __future__ import annotations
@@ -118,6 +122,10 @@ class SimResult:
     """Trainer wall time / its work at full speed (above 1 when it shared the cores)."""
     steady_samples_per_s: float
     """Trained samples/s after the first step (leaves out filling the window, which a short simulation overweights)."""
+    updates_per_s: float = 0.0
+    """Optimizer steps per second (with replay a step trains fewer fresh samples)."""
+    replayed_share: float = 0.0
+    """Share of the trained groups that were replays (``async+replay``)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -293,10 +301,12 @@ async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
 
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualLoop), "simulate() runs on a VirtualLoop"
-    overrides = [f"run.mode={sc.mode}", f"run.steps={sc.steps}", f"store.batch_groups={sc.batch_groups}",
+    mode, _, extra = sc.mode.partition("+")
+    overrides = [f"run.mode={mode}", f"run.steps={sc.steps}", f"store.batch_groups={sc.batch_groups}",
                  f"store.stale_steps={sc.stale_steps}", f"rollout.group_size={sc.group_size}",
                  "run.checkpoint_every=0", "eval.every_steps=0", "trainer.drop_uniform_groups=false",
                  "run.progress=false", "trainer.kl_coef=0"]  # fmt: skip
+    overrides += REPLAY if extra == "replay" else []
     cfg = load_config(profile.run_dir / "config.yaml", overrides)
     c = profile.curve
     cpu = Cpu(sc.cores)
@@ -327,6 +337,8 @@ async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
         trainer_idle_fraction=1 - busy / wall,
         trainer_stretch=busy / work if work else 1.0,
         steady_samples_per_s=_steady(clock.ends, len(result.trained_ids), wall),
+        updates_per_s=result.steps / wall,
+        replayed_share=sum(result.replay_counts.values()) / max(result.steps * sc.batch_groups, 1),
     )
 
 
@@ -378,7 +390,9 @@ def _fit_speed(profile: RunProfile, target: float, steps: int | None, iters: int
 # ------------------------------------------------------------------------------------------------------ the table
 
 
-MODES = ("sync", "one_step", "async")
+MODES = ("sync", "one_step", "async", "async+replay")
+#: what ``async+replay`` adds to async: the store's adaptive replay (the staleness bound is the run's own)
+REPLAY = ["store.replay.max_reuse=2", "store.replay.ratio=0.75", "store.replay.schedule=adaptive"]
 
 
 def predict(profile: RunProfile, speed: float, mode: str, steps: int | None = None) -> SimResult:
@@ -438,7 +452,7 @@ def plan(
         "engine_speed_tokens_per_s": speed,
         "steps_simulated": steps,
         "rows": rows,
-        "replay": "not available: the store has no replay yet",
+        "replay": " ".join(REPLAY) + " (async+replay)",
     }
 
 

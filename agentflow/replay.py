@@ -136,8 +136,8 @@ class ReplayScheduler:
     ``adaptive``: with ``g`` the measured rate at which fresh groups finish (groups/s, between batch requests) and
     ``T`` the trainer's time from taking a batch to asking for the next (score, train, weight sync), generation
     supplies about ``g * T`` fresh groups per step. The next batch takes ``max(ceil(g * T), ready)`` fresh groups
-    (``ready``: finished ones already waiting, so a backlog is trained rather than replayed over), between
-    ``B - k_max`` and ``B``; the rest is replayed. Before the first measurement it takes ``B`` fresh.
+    (``ready``: finished ones the batch could take at once, so a backlog is trained rather than replayed over),
+    between ``B - k_max`` and ``B``; the rest is replayed. Before the first measurement it takes ``B`` fresh.
     """
 
     batch_groups: int

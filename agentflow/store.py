@@ -353,7 +353,19 @@ class TrajectoryStore:
         if self.scheduler is None:
             return 0
         self.scheduler.on_request(asyncio.get_running_loop().time())
-        return self.scheduler.plan(ready=len(self._ready()))
+        return self.scheduler.plan(ready=self._takeable())
+
+    def _takeable(self) -> int:
+        """Finished groups a batch could take now: under ``fifo`` the finished run from the oldest dispatched one
+        (others wait behind it), otherwise every finished one."""
+        if self.collect != "fifo":
+            return len(self._ready())
+        n = 0
+        for slot in sorted(self._live.values(), key=lambda s: s.order):
+            if slot.group is None:
+                break
+            n += 1
+        return n
 
     def _replays_now(self, want: int) -> int:
         return 0 if self.pool is None else min(want, len(self.pool.eligible(self.trainer_version)))

@@ -169,7 +169,7 @@ def main() -> None:
         print(workload, json.dumps(_errors(table["workloads"][workload])), flush=True)
     for workload, (fitted, speed) in fits.items():
         clusters = replace_cores(fitted)
-        table["clusters"][workload] = plan(clusters, speed, gpus, args.plan_steps, ("sync", "async"),
+        table["clusters"][workload] = plan(clusters, speed, gpus, args.plan_steps, CLUSTER_MODES,
                                            args.max_batch_groups)  # fmt: skip
     errors = [abs(d["from"][m][k]) for d in table["workloads"].values() for m in d["from"]
               for k in d["from"][m] if k.startswith("error_")]  # fmt: skip
@@ -181,6 +181,10 @@ def main() -> None:
     (out / "plan.json").write_text(json.dumps(table, indent=2))
     plot(table, out / "plan.png")
     print(json.dumps({k: table[k] for k in ("max_abs_error", "within_15_percent", "bench_wall_s")}, indent=2))
+
+
+#: modes of the cluster table (``async+replay``: async with the store's adaptive replay)
+CLUSTER_MODES = ("sync", "async", "async+replay")
 
 
 def _errors(d: dict[str, Any]) -> dict[str, float]:
@@ -217,14 +221,14 @@ def plot(table: dict[str, Any], path: Path) -> None:
     axes[0].set_title("this machine: one mode's run predicts the other")
     axes[0].legend(fontsize=8)
     for workload, t in table["clusters"].items():
-        for mode in ("sync", "async"):
+        for mode in CLUSTER_MODES:
             rows = [r for r in t["rows"] if r["mode"] == mode]
             axes[1].plot([r["gpus"] for r in rows], [r["best"]["steady_samples_per_s"] for r in rows], marker="o",
                          label=f"{workload} {mode}")  # fmt: skip
     axes[1].set_xscale("log")
     axes[1].set_yscale("log")
     axes[1].set_xlabel("devices (best trainer:engine split)")
-    axes[1].set_ylabel("predicted trained samples/s")
+    axes[1].set_ylabel("predicted trained samples/s (fresh)")
     axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -12,7 +12,8 @@ fractions, replayed share and the staleness of replayed tokens.
     .venv/bin/python benchmarks/replay.py --quick             # CI: a tiny random model, a few steps
 
 Writes ``benchmarks/results/replay.json`` (one section per workload; rerunning one workload keeps the other) and
-``replay.png``. Results of finished runs are saved after each run, so an interrupted benchmark keeps them.
+``replay.png``. Results are saved after each run; rerun with the same settings, a benchmark skips the runs it already
+has (``--fresh`` reruns them).
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def main() -> None:
     ap.add_argument("--stale-steps", type=int, default=3, help="the staleness bound of every setting")
     ap.add_argument("--runs", default="runs", help="where the run directories go")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--fresh", action="store_true", help="rerun runs already in replay.json with the same settings")
     args = ap.parse_args()
     full = {"demo": (150, 15, 200), "agentic": (40, 10, 100)}[args.workload]
     steps, every, episodes = (4, 2, 4) if args.quick else full
@@ -166,7 +168,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "replay.json"
     results = json.loads(path.read_text()) if path.is_file() and not args.quick else {}
-    section: dict[str, Any] = {"runs": {}, "config": {k: v for k, v in vars(args).items() if k not in ("out", "runs")}}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "runs", "seeds", "settings", "fresh")}
+    section: dict[str, Any] = {"runs": {}, "config": config}
+    old = results.get(args.workload, {})
+    if not args.fresh and old.get("config") == config:  # the same benchmark: keep its finished runs, skip them
+        section["runs"] = {n: {int(k): r for k, r in by.items()} for n, by in old.get("runs", {}).items()}
     results[args.workload] = section
     with tempfile.TemporaryDirectory() as tmp:
         model = None
@@ -178,6 +184,8 @@ def main() -> None:
             model = demo_policy()
         for seed in args.seeds:  # settings interleaved per seed, so machine noise hits all alike
             for name in args.settings:
+                if seed in section["runs"].get(name, {}):
+                    continue
                 section["runs"].setdefault(name, {})[seed] = run_one(args, name, seed, model)
                 section.update(summarize(section["runs"]))
                 path.write_text(json.dumps(results, indent=2))

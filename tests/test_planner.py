@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,17 @@ def test_calibration_reproduces_the_run_and_predictions_follow_the_window(tmp_pa
     (row,) = table["rows"]
     assert row["batch_groups"] == 8 and {r["trainer_gpus"] for r in row["tried"]} == {1, 2, 4}
     assert row["best"]["steady_samples_per_s"] == max(r["steady_samples_per_s"] for r in row["tried"])
+
+
+def test_replay_in_the_plan_uses_the_real_store_and_keeps_the_bound(tmp_path: Path) -> None:
+    profile = load_profile(_fake_run(tmp_path), CURVE, cores=2.0)
+    fitted, speed = calibrate(profile, steps=20, iters=20)
+    fast = replace(fitted, train_a=0.01, train_b=0.001)  # a trainer far faster than generation: it would idle
+    # a saturated engine (4 episodes at once): generation is throughput-bound, so replay adds updates
+    base = replace(source_scenario(fast, speed / 4, 30), stale_steps=3, concurrency=4)
+    plain, replay = simulate(fast, base), simulate(fast, replace(base, mode="async+replay"))
+    assert plain.replayed_share == 0 and replay.replayed_share > 0.3
+    assert replay.max_staleness_seen <= 3 and replay.updates_per_s > 1.5 * plain.updates_per_s
 
 
 def test_a_run_faster_than_its_own_parts_allow_is_refused(tmp_path: Path) -> None:
