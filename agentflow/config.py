@@ -308,6 +308,11 @@ class JobConfig(Section):
             raise ValueError(f"engine.elastic: two changes at the same step ({sorted(steps)})")
         if steps and self.engine.type == "sglang" and not self.ray.enabled:
             raise ValueError("engine.elastic: SGLang servers are started outside the job; list them in engine.urls")
+        if steps and self.transfer.get("type") != "inprocess":
+            raise ValueError(
+                f"engine.elastic: engines that join get the newest weights in process; transfer.type "
+                f"{self.transfer.get('type')!r} sends to a fixed set of engines (use inprocess)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -112,6 +112,17 @@ def test_recycle_is_refused_on_members_that_cannot_abort_at_an_update():
     assert pool.keep_cache_on_update
 
 
+def test_elastic_config_is_checked():
+    from agentflow.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="two changes at the same step"):
+        load_config(None, ["engine.elastic=[{at_step: 2, engines: 2}, {at_step: 2, engines: 3}]"])
+    with pytest.raises(ConfigError, match="transfer.type"):
+        load_config(None, ["engine.elastic=[{at_step: 2, engines: 2}]", "transfer={type: gloo}"])
+    with pytest.raises(ConfigError, match="engines"):
+        load_config(None, ["engine.elastic=[{at_step: 2, engines: 0}]"])
+
+
 def _elastic_job(tmp_path: Path, ray: bool) -> dict:
     from agentflow.config import load_config
     from agentflow.model_init import ModelInitConfig, init_model
