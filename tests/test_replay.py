@@ -85,6 +85,20 @@ def test_replay_shrinks_the_dispatch_window_to_the_fresh_groups_per_batch():
     asyncio.run(go())
 
 
+def test_with_replay_dispatch_runs_ahead_no_further_than_rollouts_can_run():
+    async def go():
+        spec = ReplayConfig(max_reuse=2, ratio=0.5, schedule="fixed")
+        store = TrajectoryStore(batch_groups=4, stale_steps=3, replay=spec, inflight_groups=1)
+        for i in range(5):  # the first batch's 4, and 1 ahead (not 3 * 2): it would only wait, growing staler
+            await store.acquire_slot(f"g{i}")
+        blocked = asyncio.create_task(store.acquire_slot("g5"))
+        await asyncio.sleep(0.01)
+        assert not blocked.done()
+        blocked.cancel()
+
+    asyncio.run(go())
+
+
 def test_adaptive_replays_only_what_generation_cannot_supply():
     s = ReplayScheduler(batch_groups=8, ratio=0.75, schedule="adaptive")
     assert s.plan(ready=0) == 0  # nothing measured yet: all fresh
