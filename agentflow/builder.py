@@ -240,10 +240,7 @@ async def build_job(
         journal = Journal(run_dir / "journal.jsonl")
         stack.callback(journal.close)
         s = cfg.store
-        inflight = -(-cfg.rollout.max_concurrency // cfg.rollout.group_size)  # groups rollouts run at once
-        store = TrajectoryStore(
-            s.batch_groups, stale_steps(cfg), journal, s.collect, s.length_aware, s.replay, inflight
-        )
+        store = TrajectoryStore(s.batch_groups, stale_steps(cfg), journal, s.collect, s.length_aware, s.replay)
         tokenizer = ChatTokenizer(policy_dir)
         agent = agent_from_config(cfg)  # whitebox loop, or a blackbox program behind the recording proxy
         await agent.start(engine, tokenizer)

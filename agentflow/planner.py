@@ -313,9 +313,8 @@ async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
     engines = [SimEngine(lambda n: sc.speed * curve_at(c, n), sc.slots, cpu) for _ in range(sc.engines)]
     scale = profile.keep_frac / sc.trainer_gpus**sc.dp_exponent
     trainer = SimTrainer(lambda k: profile.train_a + profile.train_b * k * scale, cpu, sc.trainer_threads)
-    inflight = -(-sc.concurrency * sc.engines // sc.group_size)
     store = TrajectoryStore(
-        sc.batch_groups, stale_steps(cfg), None, cfg.store.collect, cfg.store.length_aware, cfg.store.replay, inflight
+        sc.batch_groups, stale_steps(cfg), None, cfg.store.collect, cfg.store.length_aware, cfg.store.replay
     )
     rollouts = SimRollouts(profile.episodes, engines, sc.concurrency * sc.engines, sc.seed, cpu, sc.env_cpu_s)
     clock = _StepClock()

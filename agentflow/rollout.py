@@ -137,6 +137,33 @@ class TimedEnv:
             raise EnvTimeoutError(self.timed_out) from None
 
 
+class EpisodeSlots:
+    """The episode concurrency limit (``rollout.max_concurrency``), counting the episodes waiting for a slot."""
+
+    def __init__(self, n: int) -> None:
+        self._sem = asyncio.Semaphore(n)
+        self.waiting = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    async def __aenter__(self) -> None:
+        self.waiting += 1
+        self._drained.clear()
+        try:
+            await self._sem.acquire()
+        finally:
+            self.waiting -= 1
+            if not self.waiting:
+                self._drained.set()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._sem.release()
+
+    async def drained(self) -> None:
+        """Return once no episode waits for a slot."""
+        await self._drained.wait()
+
+
 class Rollouts:
     """Plays episodes against one engine; dispatches RL groups into a store."""
 
@@ -152,7 +179,7 @@ class Rollouts:
         timeouts: EnvTimeouts | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.pool, self.max_len = engine, tokenizer, pool, max_len
-        self.limit = asyncio.Semaphore(max_concurrency)
+        self.limit = EpisodeSlots(max_concurrency)
         self.engine_busy = BusyTracker()
         self.episodes = 0
         self.agent = agent or WhiteBoxAgent()  # started by the job (agents.BaseAgent.start)
@@ -227,13 +254,18 @@ class Rollouts:
     ) -> None:
         """Dispatch groups forever (cancel to stop): each waits for a window slot, then plays and is accepted.
 
-        ``first``: index of the first group (a resumed run continues after the journal's last group).
+        ``first``: index of the first group (a resumed run continues after the journal's last group). With replay
+        (``store.pool``) a group is dispatched only once no episode waits for a concurrency slot: a group admitted
+        earlier would only queue, and the versions it ages while queued and finished-but-waiting are the room
+        replay needs within the staleness bound.
         """
         tasks: set[asyncio.Task] = set()
         index = first
         try:
             while True:
                 gid = f"g{index}"
+                if store.pool is not None:
+                    await self.limit.drained()
                 await store.acquire_slot(gid)
                 task = asyncio.create_task(self._play_and_accept(store, gid, data.draw(index), group_size, sampling))
                 tasks.add(task)

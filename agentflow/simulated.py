@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from agentflow.rollout import Rollouts
+from agentflow.rollout import EpisodeSlots, Rollouts
 from agentflow.types import NO_VERSION, Group, Segment, Trajectory
 from transfer_mesh.transport import UpdateReport
 
@@ -214,7 +214,7 @@ class SimRollouts:
         self, episodes: list[Any], engines: list[SimEngine], concurrency: int, seed: int, cpu: Cpu, env_cpu_s: float
     ) -> None:
         self.episodes, self.engines, self.seed = episodes, engines, seed
-        self.limit = asyncio.Semaphore(concurrency)
+        self.limit = EpisodeSlots(concurrency)
         self.cpu, self.env_cpu_s = cpu, env_cpu_s
 
     async def play_group(self, group_id: str, draw: int, n: int, sampling: Any) -> Group:

@@ -15,8 +15,7 @@ With replay (:mod:`agentflow.replay`) a batch is ``f`` fresh groups plus ``B - f
 counts fresh groups: the n-th may start while ``n < F + f_t + stale_steps * f_plan``, where ``F`` is the fresh groups
 trained by the versions before the trainer's current one ``t``, ``f_t`` the fresh groups of version ``t``'s batch and
 ``f_plan`` the scheduler's fresh groups per batch after it. With ``f = B`` (no replay) that is the gate above. With
-replay the look-ahead ``stale_steps * f_plan`` is further capped at the groups rollouts can run at once: a group
-admitted beyond that only waits, and the versions it ages while waiting are the room replay needs.
+replay, dispatch also waits until no episode queues for a concurrency slot (:meth:`agentflow.rollout.Rollouts.feed`).
 """
 
 from __future__ import annotations
@@ -172,7 +171,6 @@ class TrajectoryStore:
         collect: Collect = "fifo",
         length_aware: bool = True,
         replay: ReplaySpec | None = None,
-        inflight_groups: int | None = None,
     ) -> None:
         if collect not in ("fifo", "first_finished"):
             raise ValueError(f"collect must be 'fifo' or 'first_finished', got {collect!r}")
@@ -209,9 +207,6 @@ class TrajectoryStore:
             self.scheduler = ReplayScheduler(batch_groups, replay.ratio, replay.schedule)
         self.last_replayed: set[str] = set()
         """Group ids of the last batch that were replays (trained before)."""
-        self.inflight_groups = inflight_groups
-        """Groups rollouts can run at once (``rollout.max_concurrency / group_size``): with replay, dispatch runs no
-        further ahead than that, since groups admitted beyond it only wait in the store, growing staler."""
 
     @property
     def strategy(self) -> str:
@@ -239,10 +234,7 @@ class TrajectoryStore:
         if self.pool is None:
             return (self.trainer_version + self.stale_steps + 1) * self.batch_groups
         this_batch = self.fresh_taken - self._fresh_before or self._fresh_next()  # taken already, or still to take
-        ahead = self.stale_steps * self._fresh_plan()
-        if self.inflight_groups is not None:  # what keeps rollouts busy, and no more: staleness left for replay
-            ahead = min(ahead, self.inflight_groups)
-        return self._fresh_before + this_batch + ahead
+        return self._fresh_before + this_batch + self.stale_steps * self._fresh_plan()
 
     def _fresh_plan(self) -> int:
         return self.batch_groups if self.scheduler is None else self.scheduler.fresh_plan

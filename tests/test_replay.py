@@ -85,16 +85,22 @@ def test_replay_shrinks_the_dispatch_window_to_the_fresh_groups_per_batch():
     asyncio.run(go())
 
 
-def test_with_replay_dispatch_runs_ahead_no_further_than_rollouts_can_run():
+def test_episode_slots_report_when_no_episode_waits():
+    from agentflow.rollout import EpisodeSlots
+
     async def go():
-        spec = ReplayConfig(max_reuse=2, ratio=0.5, schedule="fixed")
-        store = TrajectoryStore(batch_groups=4, stale_steps=3, replay=spec, inflight_groups=1)
-        for i in range(5):  # the first batch's 4, and 1 ahead (not 3 * 2): it would only wait, growing staler
-            await store.acquire_slot(f"g{i}")
-        blocked = asyncio.create_task(store.acquire_slot("g5"))
-        await asyncio.sleep(0.01)
-        assert not blocked.done()
-        blocked.cancel()
+        slots = EpisodeSlots(1)
+        await asyncio.wait_for(slots.drained(), 1)  # nobody waits
+        async with slots:
+            second = asyncio.create_task(slots.__aenter__())  # waits for the one slot
+            await asyncio.sleep(0.01)
+            assert slots.waiting == 1
+            drained = asyncio.create_task(slots.drained())
+            await asyncio.sleep(0.01)
+            assert not drained.done()
+        await asyncio.wait_for(second, 1)  # the slot passed on: nobody waits any more
+        await asyncio.wait_for(drained, 1)
+        await slots.__aexit__(None, None, None)
 
     asyncio.run(go())
 
