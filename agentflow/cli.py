@@ -49,7 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="simulate a run's job at other modes and cluster sizes (calibrated on it)")
     plan.add_argument("run_dir", help="a real RL run's directory (config, journal, metrics, summary)")
     plan.add_argument("--gpus", default="8,64,1024", help="cluster sizes to plan for (comma-separated)")
-    plan.add_argument("--modes", default="sync,async", help="run.mode values to compare (comma-separated)")
+    plan.add_argument(
+        "--modes",
+        default="sync,async",
+        help="run.mode values to compare (comma-separated; async+replay: async with adaptive replay)",
+    )
     plan.add_argument("--steps", type=int, default=6, help="RL steps simulated per cluster scenario")
     plan.add_argument("--speed", type=float, default=None, help="engine tokens/s at one request (default: fitted)")
     plan.add_argument("--curve", default=None, help="engine benchmark JSON with the batched-decode curve")
