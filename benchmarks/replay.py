@@ -122,12 +122,14 @@ def _costs(runs: dict[str, dict[int, dict[str, Any]]], target_of: Any) -> dict[s
                     "trajectories": ref["generated_trajectories"] / max(mine["generated_trajectories"], 1),
                     "wall": ref["rl_s"] / max(mine["rl_s"], 1e-9),
                 }
+            elif ref is not None:  # the replay run never got there: no saving (it counts in the median as 0)
+                ratio = {"trajectories": 0.0, "wall": 0.0, "never_reached": True}
             final_gap = runs[name][seed]["success_after_rl"] - base["success_after_rl"]
             per_seed[seed] = {"target": target, "replay": mine, "none": ref, "savings": ratio, "final_gap": final_gap}
         reached = [p["savings"] for p in per_seed.values() if p["savings"] is not None]
         out[name] = {
             "per_seed": per_seed,
-            "seeds_reaching_target": len(reached),
+            "seeds_reaching_target": sum(not r.get("never_reached") for r in reached),
             "median_trajectory_saving": statistics.median(r["trajectories"] for r in reached) if reached else None,
             "median_wall_saving": statistics.median(r["wall"] for r in reached) if reached else None,
             "median_final_gap": statistics.median(p["final_gap"] for p in per_seed.values()) if per_seed else None,
