@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from agentflow.engine.embedded import EmbeddedEngine
     from agentflow.engine.sglang_client import SGLangEngine
-    from agentflow.ray_runtime import RayEngine, RayTrainerGroup, RemoteEnvPool
+    from agentflow.ray_envs import RemoteEnvPool
+    from agentflow.ray_runtime import RayEngine, RayTrainerGroup
     from agentflow.rollout import EnvPool
     from agentflow.types import EnvProvider, InferenceEngine, RecyclingEngine, StreamingEngine, SupervisedEngine
     from trainer.launcher import LocalTrainerGroup, ParallelTrainerGroup
