@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentflow.agents import BaseAgent, agent_from_config
 from agentflow.chat import ChatTokenizer
-from agentflow.config import JobConfig
+from agentflow.config import STALENESS_BY_MODE, JobConfig
 from agentflow.files import dump_json
 from agentflow.metrics import MetricsLogger
 from agentflow.rollout import BusyTracker, EnvPool, EnvTimeouts, Rollouts
@@ -39,10 +39,6 @@ if TYPE_CHECKING:
 
 class JobError(RuntimeError):
     """A job cannot start; the message says what to fix (one line, naming the key)."""
-
-
-STALENESS_BY_MODE = {"sync": 0, "one_step": 1}
-"""``run.mode`` fixes the staleness bound; ``async`` takes ``store.stale_steps``."""
 
 
 @dataclass

@@ -134,8 +134,14 @@ class EngineConfig(Section):
     """Tokens per KV cache slot (prompt + all turns)."""
     prefix_cache: bool = True
     """Embedded: keep finished sequences' KV in idle slots so a resumed episode pays only for its new tokens."""
-    keep_cache_on_update: bool = False
-    """Embedded: keep the prefix cache across weight updates (stale KV); by default an update flushes it."""
+    kv_on_update: Literal["flush", "keep", "recompute"] = "flush"
+    """What a weight update does to cached prefixes (KV of paused episodes): ``flush`` drops them; ``keep`` reuses
+    the old weights' KV (the recorded log-probs are what was sampled over it, so the importance ratio corrects for
+    it; SGLang: updates without flushing its radix cache); ``recompute`` (embedded) prefills them again under the new
+    weights while the engine has nothing else to do."""
+    kv_max_age: int | None = Field(None, ge=0)
+    """``keep``/``recompute``: cached KV more than this many versions old is dropped at an update (default: the
+    job's staleness bound)."""
     elastic: list[ElasticChange] = Field(default_factory=list)
     """Resize the engine pool while the job runs (embedded engines, or engine actors under Ray), e.g.
     ``[{at_step: 10, engines: 2}, {at_step: 30, engines: 1}]``. A trajectory sticks to one engine; one whose engine
@@ -280,6 +286,10 @@ class RunConfig(Section):
     """Show a progress bar."""
 
 
+STALENESS_BY_MODE = {"sync": 0, "one_step": 1}
+"""``run.mode`` fixes the staleness bound; ``async`` takes ``store.stale_steps``."""
+
+
 class JobConfig(Section):
     """One RL job."""
 
@@ -313,6 +323,25 @@ class JobConfig(Section):
                 f"engine.elastic: engines that join get the newest weights in process; transfer.type "
                 f"{self.transfer.get('type')!r} sends to a fixed set of engines (use inprocess)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _kv_on_update(self) -> JobConfig:
+        """The engine section says what an update does to the KV; TransferMesh's ``flush_cache`` follows it."""
+        e = self.engine
+        if e.kv_on_update == "recompute" and e.type == "sglang":
+            raise ValueError(
+                "engine.kv_on_update: recompute re-prefills cached prefixes inside the embedded engine; SGLang "
+                "servers can flush or keep their radix cache (use flush or keep)"
+            )
+        if e.kv_on_update == "flush" and self.transfer.get("flush_cache") is False:
+            raise ValueError(
+                "transfer.flush_cache: false keeps the engines' KV across updates; say engine.kv_on_update: keep "
+                "(one setting, which the engines and the transport both follow)"
+            )
+        self.transfer["flush_cache"] = e.kv_on_update == "flush"
+        if e.kv_max_age is None:
+            e.kv_max_age = STALENESS_BY_MODE.get(self.run.mode, self.store.stale_steps)
         return self
 
     @model_validator(mode="after")

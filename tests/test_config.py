@@ -33,6 +33,18 @@ def test_bad_keys_and_types_give_one_line_errors(override, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_kv_on_update_is_one_setting_the_transport_follows():
+    keep = load_config(None, ["engine.kv_on_update=keep", "store.stale_steps=3"])
+    assert keep.transfer["flush_cache"] is False and keep.engine.kv_max_age == 3
+    flush = load_config(None, ["run.mode=one_step"])
+    assert flush.transfer["flush_cache"] is True and flush.engine.kv_max_age == 1
+    assert load_config(None, ["engine.kv_on_update=recompute", "engine.kv_max_age=0"]).engine.kv_max_age == 0
+    with pytest.raises(ConfigError, match="say engine.kv_on_update: keep"):
+        load_config(None, ['transfer={"type": "inprocess", "flush_cache": false}'])
+    with pytest.raises(ConfigError, match="engine.kv_on_update: recompute re-prefills"):
+        load_config(None, ["engine.kv_on_update=recompute", "engine.type=sglang"])
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

@@ -105,10 +105,76 @@ def test_flush_and_weight_update_invalidate(qwen_dir, tmp_path) -> None:
         torch.testing.assert_close(
             torch.tensor(res.logprobs), full_logprobs(eng, ids + [1, 2, 3] + res.output_ids, 28), atol=1e-4, rtol=0
         )
-    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128, keep_cache_on_update=True) as eng:
+    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128, kv_on_update="keep") as eng:
         eng.generate_sync(ids, sp)
         eng.update_weights(1, new)
         assert eng.generate_sync(ids + [1], sp).cached_tokens == 25  # stale KV kept, as configured
+        assert eng.stats()["stale_prefix_hits"] == 1
+
+
+def _stale_kv_logprob(qwen_dir, new: dict, prefix: list[int], rest: list[int], token: int) -> float:
+    """The log-prob of ``token`` after ``prefix + rest`` where the prefix's KV came from the old weights and the
+    rest's from the new ones: what an engine that keeps its cache across the update samples from."""
+    from agentflow.engine.qwen2 import KVCache, load_hf_dir
+
+    model = load_hf_dir(qwen_dir)
+    cache = KVCache(model.config, 1, 128)
+    model.prefill(cache, 0, torch.tensor(prefix), 0)
+    model.load_(new)
+    logits = model.prefill(cache, 0, torch.tensor(rest), len(prefix))
+    return float(torch.log_softmax(logits.reshape(-1, logits.shape[-1])[-1], dim=-1)[token])
+
+
+def test_keep_records_what_the_stale_kv_sampled_and_ages_out(qwen_dir, tmp_path) -> None:
+    """``keep``: the recorded log-prob is the one sampled over the old weights' KV (not a fresh forward's), which is
+    what the trainer's importance ratio needs to correct for it; entries older than ``kv_max_age`` are dropped."""
+    sp = SamplingParams(temperature=0.0, max_new_tokens=1)
+    new = make_model_dir(tmp_path, "qwen2", seed=3).state_dict()
+    ids = prompt(25, seed=6)
+    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128, kv_on_update="keep", kv_max_age=2) as eng:
+        eng.generate_sync(ids, sp)
+        eng.update_weights(1, new)
+        res = eng.generate_sync(ids + [1, 2], sp)
+        assert res.cached_tokens == 25 and res.versions == [1]
+        stale = _stale_kv_logprob(qwen_dir, new, ids, [1, 2], res.output_ids[0])
+        fresh = float(full_logprobs(eng, ids + [1, 2] + res.output_ids, 27)[0])
+        assert res.logprobs[0] == pytest.approx(stale, abs=1e-4)
+        assert abs(stale - fresh) > 1e-3  # the correction has something to correct
+        eng.update_weights(2, new)
+        assert eng.generate_sync(ids + [1, 2, 3], sp).cached_tokens == 27  # its oldest KV two versions old: kept
+        assert eng.stats()["kv_dropped_too_old"] == 0
+        eng.update_weights(3, new)  # the entry still holds version 0's KV, three versions back now: dropped
+        assert eng.stats()["kv_dropped_too_old"] == 1
+        assert eng.generate_sync(ids + [1, 2, 3, 4], sp).cached_tokens == 0
+
+
+def test_recompute_refreshes_idle_entries_and_on_admission(qwen_dir, tmp_path) -> None:
+    """``recompute``: an idle engine prefills kept entries again under the new weights, so a resumed request reuses
+    them and samples exactly as a fresh forward would; an entry reached before that is prefilled on admission."""
+    sp = SamplingParams(temperature=0.0, max_new_tokens=3)
+    new = make_model_dir(tmp_path, "qwen2", seed=3).state_dict()
+    ids = prompt(25, seed=6)
+    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128, kv_on_update="recompute") as eng:
+        eng.generate_sync(ids, sp)
+        eng.update_weights(1, new)
+        wait_for(lambda: eng.stats()["stale_slots"] == 0)
+        assert eng.stats()["kv_recomputed_tokens"] > 0 and eng.stats()["kv_recomputed_on_admit"] == 0
+        res = eng.generate_sync(ids + [1], sp)
+        assert res.cached_tokens == 25 and eng.stats()["stale_prefix_hits"] == 0
+        torch.testing.assert_close(
+            torch.tensor(res.logprobs), full_logprobs(eng, ids + [1] + res.output_ids, 26), atol=1e-4, rtol=0
+        )
+        eng.pause("in_place")  # no idle steps: the entry is still stale when the next turn arrives
+        eng.update_weights(2, make_model_dir(tmp_path / "b", "qwen2", seed=4).state_dict())
+        assert eng.stats()["stale_slots"] == 1
+        fut = eng.submit(ids + [1] + res.output_ids + [2], sp)
+        eng.resume()
+        again = fut.result(timeout=30)
+        assert again.cached_tokens == 0 and eng.stats()["kv_recomputed_on_admit"] == 1
+        seq = ids + [1] + res.output_ids + [2]
+        torch.testing.assert_close(
+            torch.tensor(again.logprobs), full_logprobs(eng, seq + again.output_ids, len(seq)), atol=1e-4, rtol=0
+        )
 
 
 def test_release_and_resume_memory(qwen_dir) -> None:

@@ -76,7 +76,14 @@ def _ray_acted(summary: dict, run_dir: Path) -> None:
     assert summary["runtime"].startswith("ray")
 
 
+def _recompute_acted(summary: dict, run_dir: Path) -> None:
+    kv = summary["kv_cache"]
+    assert kv["kv_on_update"] == "recompute" and kv["kv_max_age"] == 1
+    assert kv["kv_recomputed_tokens"] > 0  # cached prefixes were prefilled again under newer weights
+
+
 CASES = {
+    "engine.kv_on_update=recompute": (["engine.kv_on_update=recompute"], _recompute_acted),
     "agent.type=blackbox": (BLACKBOX, _blackbox_acted),
     "rollout.partial=recycle": (["rollout.partial=recycle"], _recycle_acted),
     "rollout.episode_retries=0": (["rollout.episode_retries=0"], _no_retries_acted),

@@ -66,7 +66,9 @@ class InProcessTransport(TransportBase):
         return report
 
     def _deliver(self, k: int, engine: Any, version: int, tensors: dict[str, Tensor]) -> dict[str, Any]:
-        extra = {"finite_checked": True} if _takes_finite_checked(engine) else {}
+        extra: dict[str, Any] = {"finite_checked": True} if _takes(engine, "finite_checked") else {}
+        if _takes(engine, "flush_cache"):  # an engine that flushes by itself (SGLang) is told whether to
+            extra["flush_cache"] = self.cfg.flush_cache
         try:
             timing = choreograph(
                 engine,
@@ -83,10 +85,10 @@ class InProcessTransport(TransportBase):
         super().close()
 
 
-def _takes_finite_checked(engine: Any) -> bool:
-    """Whether ``engine.update_weights`` accepts ``finite_checked`` (others get the plain two-argument call)."""
+def _takes(engine: Any, keyword: str) -> bool:
+    """Whether ``engine.update_weights`` accepts ``keyword`` (others get the plain two-argument call)."""
     try:
-        return "finite_checked" in inspect.signature(engine.update_weights).parameters
+        return keyword in inspect.signature(engine.update_weights).parameters
     except (TypeError, ValueError):  # builtins and some proxies have no signature
         return False
 

@@ -44,6 +44,9 @@ class Request:
     """Tokens of ``prompt + output`` whose keys and values are in the slot."""
     cache_hit: int = 0
     """Prompt tokens found in the prefix cache at first admission (``GenerateResult.cached_tokens``)."""
+    kv_version: int = 0
+    """Oldest weight version whose keys and values the slot holds for this request (older than the current one
+    only where a kept prefix-cache entry was reused, or the request decoded across an update)."""
     retractions: int = 0
     """Times the request lost its slot to ``pause("retract")`` or a memory release."""
     on_token: OnToken | None = None
@@ -66,6 +69,9 @@ class Request:
             routed_experts=list(self.routes) if self.routes is not None else None,
         )
 
+
+RECOMPUTE_TOKENS_PER_STEP = 1024
+"""Stale prefix-cache tokens one idle step of ``kv_on_update: recompute`` prefills again (about one long context)."""
 
 MIN_PREFIX_HIT = 4
 """Shortest cached prefix worth taking a slot for. A match of a token or two is a coincidence that saves almost no
@@ -107,11 +113,15 @@ class DecodeLoop:
     max_len: int
     prefix_cache: bool
     keep_cache_on_update: bool
+    kv_on_update: str
+    kv_max_age: int | None
     abort_on_update: bool
     _cv: threading.Condition
     _waiting: deque[Request]
     _running: dict[int, Request]
     _idle: OrderedDict[int, list[int]]
+    _idle_version: dict[int, int]
+    _stale: set[int]
     _slot_routes: dict[int, dict[int, list[list[int]]]]
     """MoE models: the experts chosen at each position of each slot's cached tokens (a prefix hit reuses them)."""
     _rids: set[str]
@@ -126,7 +136,7 @@ class DecodeLoop:
     output_rules: OutputRules
 
     def _has_work(self) -> bool:
-        busy = self._paused is None and not self._released and bool(self._waiting or self._running)
+        busy = self._paused is None and not self._released and bool(self._waiting or self._running or self._stale)
         return self._closed or bool(self._ops) or bool(self._aborts) or busy
 
     def _loop(self) -> None:
@@ -169,6 +179,38 @@ class DecodeLoop:
         active = [r for slot, r in sorted(self._running.items()) if r not in admitted]
         if active:
             self._decode(active)
+        if self._stale and not admitted and not self._waiting:
+            self._recompute_some()
+
+    def _recompute_some(self, budget: int = RECOMPUTE_TOKENS_PER_STEP) -> None:
+        """Prefill stale prefix-cache entries again under the current weights, most recently used first, at most
+        ``budget`` tokens (one entry at least) so that a step with running requests is not held up for long."""
+        slots: list[int] = []
+        total = 0
+        for slot in reversed(self._idle):
+            if slot in self._stale and (not slots or total + len(self._idle[slot]) <= budget):
+                slots.append(slot)
+                total += len(self._idle[slot])
+        picked = [s for s in slots if self._idle[s]]
+        if not picked:
+            self._stale.difference_update(slots)
+            return
+        slots = picked
+        chunks = [torch.tensor(self._idle[s], dtype=torch.long) for s in slots]
+        t0 = time.perf_counter()
+        self._start_routes()
+        self.model.prefill_batch(self.cache, slots, chunks, [0] * len(slots))
+        log, self.model.route_log = self.model.route_log, None
+        self._stats["busy_seconds"] += time.perf_counter() - t0
+        self._stats["kv_recomputed_tokens"] += total
+        offset = 0
+        chosen = torch.stack(log, dim=1).tolist() if log else None
+        for slot, chunk in zip(slots, chunks, strict=True):
+            self._idle_version[slot] = self._version
+            if chosen is not None:  # MoE: the experts the new weights chose for the recomputed positions
+                self._slot_routes[slot] = {p: chosen[offset + p] for p in range(len(chunk))}
+            offset += len(chunk)
+        self._stale.difference_update(slots)  # last: a reader of the stats sees the work done once it is gone
 
     def _admit(self, req: Request) -> None:
         """Give ``req`` the idle slot whose cached ids share the longest prefix with it (at least
@@ -189,8 +231,19 @@ class DecodeLoop:
                 if n > hit and n >= MIN_PREFIX_HIT:
                     best, hit = slot, n
         del self._idle[best]
+        version = self._idle_version.pop(best, self._version)
+        if best in self._stale:  # kept for recompute but not recomputed yet: its KV is the old weights'
+            self._stale.discard(best)
+            if hit:
+                self._stats["kv_recomputed_on_admit"] += 1
+                self._stats["kv_recomputed_tokens"] += hit
+            hit = 0
         req.slot = best
         req.cached = min(hit, len(seq) - 1)  # at least one token goes through the model for its logits
+        req.kv_version = version if req.cached else self._version
+        if req.cached and version < self._version:
+            self._stats["stale_prefix_hits"] += 1
+            self._stats["stale_prefix_tokens_reused"] += req.cached
         if self.model.config.is_moe and req.cached:  # the cached positions' experts, chosen when they were computed
             known = self._slot_routes.get(best, {})
             req.routes = (req.routes or []) + [(p, known[p]) for p in range(req.cached) if p in known]
@@ -294,8 +347,11 @@ class DecodeLoop:
             self._running.pop(req.slot, None)
             seq = (req.prompt + req.output)[: req.cached] if keep_kv and self.prefix_cache else []
             self._idle[req.slot] = seq
+            self._idle_version[req.slot] = req.kv_version
             if not seq:
                 self._idle.move_to_end(req.slot, last=False)  # empty slots are taken before cached ones
+            elif self.kv_on_update == "recompute" and req.kv_version < self._version:
+                self._stale.add(req.slot)  # it decoded across an update: part of its KV is the old weights'
             req.slot = None
         req.cached = 0
         with self._cv:
@@ -369,9 +425,15 @@ class DecodeLoop:
 
     def _do_flush(self) -> bool:
         for slot in list(self._idle):
-            self._idle[slot] = []
-            self._slot_routes.pop(slot, None)
+            self._drop_entry(slot)
         return True
+
+    def _drop_entry(self, slot: int) -> None:
+        self._idle[slot] = []
+        self._idle.move_to_end(slot, last=False)  # empty slots are taken before cached ones
+        self._slot_routes.pop(slot, None)
+        self._idle_version.pop(slot, None)
+        self._stale.discard(slot)
 
     def _do_release(self) -> None:
         self._retract_running()
@@ -396,6 +458,16 @@ class DecodeLoop:
                 self._waiting.extendleft(reversed([r for r in taken if not r.output]))
         if not self.keep_cache_on_update:
             self._do_flush()
+            return
+        oldest = version - self.kv_max_age if self.kv_max_age is not None else None
+        for slot, ids in list(self._idle.items()):
+            if not ids:
+                continue
+            if oldest is not None and self._idle_version.get(slot, version) < oldest:
+                self._stats["kv_dropped_too_old"] += 1
+                self._drop_entry(slot)
+            elif self.kv_on_update == "recompute":
+                self._stale.add(slot)
 
     def _do_score(self, ids: list[int], start: int, top_k: int) -> ScoreResult:
         t0 = time.perf_counter()

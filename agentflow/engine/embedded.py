@@ -9,7 +9,12 @@ running request in one batched forward pass; requests leave as soon as they fini
 Prefix cache: a finished request leaves its keys and values in its slot. Idle slots are kept in LRU order with the
 token ids their KV holds; a new request takes the idle slot sharing the longest common prefix with its prompt and
 prefills only the rest (a multi-turn episode that resumes with a longer context pays for its new tokens only). A
-request with no hit takes the least recently used idle slot. ``flush_cache()`` and weight updates drop it.
+request with no hit takes the least recently used idle slot. ``flush_cache()`` drops it; what a weight update does
+to it is ``kv_on_update``: ``flush`` (drop it), ``keep`` (reuse the old weights' KV, up to ``kv_max_age`` versions
+old; the tokens sampled over it carry the current version and their recorded log-probs are those actually sampled,
+so the trainer's importance ratio corrects for the stale KV as for any off-policy token), or ``recompute`` (keep the
+token ids and prefill them again under the new weights while the engine has nothing else to do; an entry a request
+reaches before that is prefilled again on admission).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ __all__ = ["MIN_PREFIX_HIT", "EmbeddedEngine", "OnToken", "common_prefix"]
 
 T = TypeVar("T")
 _PAUSE_MODES = ("abort", "retract", "in_place")
+KV_ON_UPDATE = ("flush", "keep", "recompute")
 
 
 def _settle(fut: asyncio.Future[GenerateResult], value: GenerateResult | BaseException) -> None:
@@ -59,8 +65,8 @@ class EmbeddedEngine(DecodeLoop):
 
     ``max_slots`` bounds concurrent requests (more wait in a queue) and ``max_len`` bounds prompt + output tokens
     of one request; together they size the preallocated KV cache. ``seed`` seeds requests that carry no seed.
-    ``prefix_cache`` keeps finished requests' KV in idle slots for reuse; ``keep_cache_on_update`` keeps it across
-    weight updates (stale KV, off by default: an update flushes the prefix cache).
+    ``prefix_cache`` keeps finished requests' KV in idle slots for reuse; ``kv_on_update`` says what a weight
+    update does to it (module docstring), ``kv_max_age`` how many versions old kept KV may be (None: no bound).
     """
 
     canonical_forcing = True
@@ -73,15 +79,26 @@ class EmbeddedEngine(DecodeLoop):
         max_len: int = 1024,
         seed: int = 0,
         prefix_cache: bool = True,
-        keep_cache_on_update: bool = False,
+        kv_on_update: str = "flush",
+        kv_max_age: int | None = None,
     ) -> None:
+        if kv_on_update not in KV_ON_UPDATE:
+            raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got {kv_on_update!r}")
         self.model_dir = str(model_dir)
         self.model: DecoderModel = load_hf_dir(model_dir)
         self.cache = KVCache(self.model.config, max_slots, max_len)
         self.max_slots = max_slots
         self.max_len = max_len
         self.prefix_cache = prefix_cache
-        self.keep_cache_on_update = keep_cache_on_update
+        self.kv_on_update = kv_on_update
+        self.kv_max_age = kv_max_age
+        self.keep_cache_on_update = kv_on_update != "flush"
+        """This update keeps the prefix cache (as ``kv_on_update`` says) or flushes it; TransferMesh sets it per update
+        from its ``flush_cache``."""
+        self._idle_version: dict[int, int] = {}
+        """Oldest weight version whose KV an idle slot's entry holds."""
+        self._stale: set[int] = set()
+        """Idle slots whose entry waits to be prefilled again under the current weights (``recompute``)."""
         self._seed = seed
         self._counter = 0
         self._cv = threading.Condition()
@@ -113,6 +130,11 @@ class EmbeddedEngine(DecodeLoop):
             "errors": 0,
             "prefix_hits": 0,
             "prefix_tokens_reused": 0,
+            "stale_prefix_hits": 0,
+            "stale_prefix_tokens_reused": 0,
+            "kv_recomputed_tokens": 0,
+            "kv_recomputed_on_admit": 0,
+            "kv_dropped_too_old": 0,
         }
         self.output_rules = OutputRules(self.model_dir, self.model.config.vocab_size)
         self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
@@ -250,6 +272,8 @@ class EmbeddedEngine(DecodeLoop):
             paused=self._paused,
             released=self._released,
             cached_slots=sum(1 for ids in self._idle.values() if ids),
+            stale_slots=len(self._stale),
+            kv_on_update=self.kv_on_update,
             max_slots=self.max_slots,
             max_len=self.max_len,
             kv_cache_bytes=self.cache.nbytes(),

@@ -22,7 +22,8 @@ def make_engine(cfg: EngineConfig, model_dir: str | Path, seed: int = 0) -> Infe
             max_len=cfg.max_len,
             seed=seed,
             prefix_cache=cfg.prefix_cache,
-            keep_cache_on_update=cfg.keep_cache_on_update,
+            kv_on_update=cfg.kv_on_update,
+            kv_max_age=cfg.kv_max_age,
         )
     if cfg.type == "sglang":
         from agentflow.engine.sglang_client import SGLangEngine

@@ -147,7 +147,33 @@ def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
         "runtime": f"ray ({job.runtime.cluster} cluster)" if job.runtime is not None else "local processes",
         "replay": replay_summary(job, result),
         "engine_pool": engine_pool_summary(job, result),
+        "kv_cache": kv_cache_summary(job),
     }
+
+
+KV_COUNTERS = (
+    "prefill_tokens",
+    "prefix_hits",
+    "prefix_tokens_reused",
+    "stale_prefix_hits",
+    "stale_prefix_tokens_reused",
+    "kv_recomputed_tokens",
+    "kv_recomputed_on_admit",
+    "kv_dropped_too_old",
+)
+
+
+def kv_cache_summary(job: Job) -> dict[str, Any]:
+    """``engine.kv_on_update`` and, from an engine that counts them (the embedded one), how much of the prompts'
+    KV the prefix cache supplied over the job (training episodes and evaluations together)."""
+    out: dict[str, Any] = {"kv_on_update": job.cfg.engine.kv_on_update, "kv_max_age": job.cfg.engine.kv_max_age}
+    stats = getattr(job.engine, "stats", None)
+    counters = stats() if callable(stats) else None
+    if isinstance(counters, dict) and all(k in counters for k in KV_COUNTERS):
+        out.update({k: int(counters[k]) for k in KV_COUNTERS})
+        prompt_tokens = out["prefill_tokens"] + out["prefix_tokens_reused"]  # each prompt token: computed or reused
+        out["reused_over_prompt_tokens"] = out["prefix_tokens_reused"] / prompt_tokens if prompt_tokens else 0.0
+    return out
 
 
 def engine_pool_summary(job: Job, result: LoopResult) -> dict[str, Any] | None:
