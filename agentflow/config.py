@@ -85,9 +85,11 @@ class RolloutConfig(Section):
     step_timeout_s: float = Field(300.0, gt=0)
     """Seconds one env step may take (a tool call, or the final answer and its verifier); past it the episode ends
     ``error`` with the reason, its slot is freed and the env is dropped (a hung call cannot hold the job)."""
-    partial: Literal["continue", "recycle"] = "continue"
+    partial: Literal["continue", "recycle", "pin"] = "continue"
     """Partial rollouts at a weight update: in-flight generations ``continue`` under the new version (each token
-    stamped with its own), or are aborted and ``recycle``d (run again from the same input under the new one)."""
+    stamped with its own), or are aborted and ``recycle``d (run again from the same input under the new one), or
+    each episode is ``pin``ned to the version current at its start (the embedded engine serves the last
+    ``stale_steps + 1`` versions at once, one copy of the weights each; no trajectory holds two versions)."""
 
 
 class AgentConfig(Section):
@@ -342,6 +344,25 @@ class JobConfig(Section):
         self.transfer["flush_cache"] = e.kv_on_update == "flush"
         if e.kv_max_age is None:
             e.kv_max_age = STALENESS_BY_MODE.get(self.run.mode, self.store.stale_steps)
+        return self
+
+    @model_validator(mode="after")
+    def _pin_needs_versions(self) -> JobConfig:
+        if self.rollout.partial != "pin":
+            return self
+        why = None
+        if self.engine.type != "embedded":
+            why = "engine.type: an SGLang server serves one weight version at a time"
+        elif self.engine.elastic:
+            why = "engine.elastic: an engine that joins holds only the newest version"
+        elif self.ray.enabled:
+            why = "ray.enabled: engine actors do not take the versions to keep yet"
+        elif self.agent.type != "whitebox":
+            why = f"agent.type {self.agent.type!r}: only the whitebox loop pins its episodes"
+        elif self.engine.kv_on_update != "flush":
+            why = "engine.kv_on_update: a pinned episode keeps its own version's KV across updates by itself"
+        if why:
+            raise ValueError(f"rollout.partial: pin needs the embedded engine serving several versions; {why}")
         return self
 
     @model_validator(mode="after")

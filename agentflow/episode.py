@@ -172,4 +172,5 @@ def _with_budget(sampling: SamplingParams, budget: int, stop_ids: tuple[int, ...
         max_new_tokens=budget,
         stop_token_ids=tuple(sampling.stop_token_ids) or stop_ids,
         seed=sampling.seed,
+        weight_version=sampling.weight_version,
     )

@@ -41,6 +41,9 @@ class SamplingParams:
     masked before sampling, and the behaviour log-probs are those of the masked distribution."""
     top_logprobs: int = 0
     """Alternatives to return per generated token (``GenerateResult.top_logprobs``), from the same distribution."""
+    weight_version: int | None = None
+    """Generate with this weight version, which the engine must still serve (``rollout.partial: pin``, embedded
+    engine); None: the newest."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -45,6 +45,21 @@ def test_kv_on_update_is_one_setting_the_transport_follows():
         load_config(None, ["engine.kv_on_update=recompute", "engine.type=sglang"])
 
 
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (["engine.type=sglang"], "an SGLang server serves one weight version"),
+        (['engine.elastic=[{"at_step": 2, "engines": 2}]'], "an engine that joins holds only the newest"),
+        (["ray.enabled=true"], "engine actors do not take the versions"),
+        (["agent.type=blackbox"], "only the whitebox loop pins"),
+        (["engine.kv_on_update=keep"], "keeps its own version's KV"),
+    ],
+)
+def test_pin_is_refused_where_versions_cannot_be_held(extra, why):
+    with pytest.raises(ConfigError, match=why):
+        load_config(None, ["rollout.partial=pin", *extra])
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

@@ -76,6 +76,14 @@ def _ray_acted(summary: dict, run_dir: Path) -> None:
     assert summary["runtime"].startswith("ray")
 
 
+def _pin_acted(summary: dict, run_dir: Path) -> None:
+    assert summary["partial"] == "pin"
+    trajs = Journal.read(run_dir / "journal.jsonl")
+    assert trajs and all(t.min_version() == t.max_version() for t in trajs)  # no trajectory holds two versions
+    rows = [r for r in _metrics(run_dir) if "rollout/partial_ratio" in r]
+    assert rows and all(r["rollout/partial_ratio"] == 0 for r in rows)
+
+
 def _recompute_acted(summary: dict, run_dir: Path) -> None:
     kv = summary["kv_cache"]
     assert kv["kv_on_update"] == "recompute" and kv["kv_max_age"] == 1
@@ -83,6 +91,7 @@ def _recompute_acted(summary: dict, run_dir: Path) -> None:
 
 
 CASES = {
+    "rollout.partial=pin": (["rollout.partial=pin"], _pin_acted),
     "engine.kv_on_update=recompute": (["engine.kv_on_update=recompute"], _recompute_acted),
     "agent.type=blackbox": (BLACKBOX, _blackbox_acted),
     "rollout.partial=recycle": (["rollout.partial=recycle"], _recycle_acted),

@@ -20,6 +20,7 @@ import torch
 from agentflow.engine.output_rules import OutputRules, RequestRules, top_alternatives
 from agentflow.engine.qwen2 import DecoderModel, KVCache
 from agentflow.engine.sampling import sample_batch
+from agentflow.engine.versions import HeldVersions, VersionGone
 from agentflow.types import FinishReason, GenerateResult, PauseMode, SamplingParams, ScoreResult
 
 Deliver = Callable[[GenerateResult | BaseException], None]
@@ -94,6 +95,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return lo
 
 
+def _slots(reqs: list[Request]) -> list[int]:
+    """The slots of admitted requests (each has one)."""
+    out = [r.slot for r in reqs]
+    if any(s is None for s in out):
+        raise RuntimeError("a request without a slot reached a forward pass")
+    return [s for s in out if s is not None]
+
+
 def safe_deliver(deliver: Deliver, value: GenerateResult | BaseException) -> None:
     """Hand a result over; a caller that went away (closed loop, cancelled future) must not hurt the thread."""
     try:
@@ -133,7 +142,31 @@ class DecodeLoop:
     _closed: bool
     _version: int
     _stats: dict[str, float]
+    _held: HeldVersions
     output_rules: OutputRules
+
+    def _pinned(self, req: Request) -> int:
+        """The weight version that serves ``req``: the one it names, else the newest."""
+        v = req.sampling.weight_version
+        return self._version if v is None else v
+
+    def _model_of(self, version: int) -> DecoderModel:
+        model = self.model if version == self._version else self._held.model_of(version)
+        if model is None:
+            raise VersionGone(f"weight version {version} is no longer served (held: {self._served()})")
+        return model
+
+    def _served(self) -> list[int]:
+        return [*self._held.versions(), self._version]
+
+    def _by_version(self, reqs: list[Request]) -> list[tuple[int, DecoderModel, list[Request]]]:
+        """Requests grouped by the version that serves them (one forward pass each), in ``reqs``' order within."""
+        if not self._held:
+            return [(self._version, self.model, reqs)] if reqs else []
+        groups: dict[int, list[Request]] = {}
+        for r in reqs:
+            groups.setdefault(self._pinned(r), []).append(r)
+        return [(v, self._model_of(v), rs) for v, rs in sorted(groups.items())]
 
     def _has_work(self) -> bool:
         busy = self._paused is None and not self._released and bool(self._waiting or self._running or self._stale)
@@ -171,14 +204,16 @@ class DecodeLoop:
                 if not self._waiting:
                     break
                 req = self._waiting.popleft()
-            self._admit(req)
-            self._running[req.slot] = req
+            if self._pinned(req) not in self._served():  # its version was dropped while it waited
+                self._fail_gone(req)
+                continue
+            self._running[self._admit(req)] = req
             admitted.append(req)
-        if admitted:
-            self._prefill(admitted)
+        for version, model, group in self._by_version(admitted):
+            self._prefill(group, model, version)
         active = [r for slot, r in sorted(self._running.items()) if r not in admitted]
-        if active:
-            self._decode(active)
+        for version, model, group in self._by_version(active):
+            self._decode(group, model, version)
         if self._stale and not admitted and not self._waiting:
             self._recompute_some()
 
@@ -198,7 +233,7 @@ class DecodeLoop:
         slots = picked
         chunks = [torch.tensor(self._idle[s], dtype=torch.long) for s in slots]
         t0 = time.perf_counter()
-        self._start_routes()
+        self._start_routes(self.model)
         self.model.prefill_batch(self.cache, slots, chunks, [0] * len(slots))
         log, self.model.route_log = self.model.route_log, None
         self._stats["busy_seconds"] += time.perf_counter() - t0
@@ -212,7 +247,7 @@ class DecodeLoop:
             offset += len(chunk)
         self._stale.difference_update(slots)  # last: a reader of the stats sees the work done once it is gone
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request) -> int:
         """Give ``req`` the idle slot whose cached ids share the longest prefix with it (at least
         :data:`MIN_PREFIX_HIT` tokens), else the lowest-numbered empty slot, else the least recently used one.
 
@@ -221,12 +256,15 @@ class DecodeLoop:
         taking them in LRU order scattered a batch of 32 over 64 slots (1.2x HF at batch 32 instead of 1.6x).
         """
         seq = req.prompt + req.output
+        want = self._pinned(req)
         best, hit = next(iter(self._idle)), 0
         empty = min((slot for slot, ids in self._idle.items() if not ids), default=None)
         if empty is not None:
             best = empty
         if self.prefix_cache:
             for slot, ids in self._idle.items():
+                if self._held and self._idle_version.get(slot) != want:  # pinned: only KV of its own version
+                    continue
                 n = common_prefix(ids, seq) if ids else 0
                 if n > hit and n >= MIN_PREFIX_HIT:
                     best, hit = slot, n
@@ -240,8 +278,8 @@ class DecodeLoop:
             hit = 0
         req.slot = best
         req.cached = min(hit, len(seq) - 1)  # at least one token goes through the model for its logits
-        req.kv_version = version if req.cached else self._version
-        if req.cached and version < self._version:
+        req.kv_version = version if req.cached else want
+        if req.cached and version < want:
             self._stats["stale_prefix_hits"] += 1
             self._stats["stale_prefix_tokens_reused"] += req.cached
         if self.model.config.is_moe and req.cached:  # the cached positions' experts, chosen when they were computed
@@ -252,43 +290,46 @@ class DecodeLoop:
             self._stats["prefix_tokens_reused"] += req.cached
         if not req.output:
             req.cache_hit = req.cached
+        return best
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        """Encode every newly admitted request's uncached tokens in one forward pass (one per request was slow)."""
+    def _prefill(self, reqs: list[Request], model: DecoderModel, version: int) -> None:
+        """Encode newly admitted requests' uncached tokens in one forward pass of ``model`` (one per request was
+        slow)."""
         seqs = [r.prompt + r.output for r in reqs]
         chunks = [torch.tensor(seq[r.cached :], dtype=torch.long) for r, seq in zip(reqs, seqs, strict=True)]
         t0 = time.perf_counter()
-        self._start_routes()
-        logits = self.model.prefill_batch(self.cache, [r.slot for r in reqs], chunks, [r.cached for r in reqs])
-        self._keep_routes(reqs, [r.cached for r in reqs], [len(c) for c in chunks])
+        self._start_routes(model)
+        logits = model.prefill_batch(self.cache, _slots(reqs), chunks, [r.cached for r in reqs])
+        self._keep_routes(reqs, [r.cached for r in reqs], [len(c) for c in chunks], model)
         self._stats["busy_seconds"] += time.perf_counter() - t0
         self._stats["prefills"] += len(reqs)
         self._stats["prefill_tokens"] += sum(len(c) for c in chunks)
         for r, seq in zip(reqs, seqs, strict=True):
             r.cached = len(seq)
-        self._accept(reqs, logits)
+        self._accept(reqs, logits, version)
 
-    def _decode(self, reqs: list[Request]) -> None:
-        slots = torch.tensor([r.slot for r in reqs], dtype=torch.long)
+    def _decode(self, reqs: list[Request], model: DecoderModel, version: int) -> None:
+        slots = torch.tensor(_slots(reqs), dtype=torch.long)
         tokens = torch.tensor([r.output[-1] for r in reqs], dtype=torch.long)
         positions = torch.tensor([r.cached for r in reqs], dtype=torch.long)
         t0 = time.perf_counter()
-        self._start_routes()
-        logits = self.model.decode(self.cache, slots, tokens, positions)
-        self._keep_routes(reqs, [r.cached for r in reqs], [1] * len(reqs))
+        self._start_routes(model)
+        logits = model.decode(self.cache, slots, tokens, positions)
+        self._keep_routes(reqs, [r.cached for r in reqs], [1] * len(reqs), model)
         self._stats["busy_seconds"] += time.perf_counter() - t0
         self._stats["decode_steps"] += 1
         for r in reqs:
             r.cached += 1
-        self._accept(reqs, logits)
+        self._accept(reqs, logits, version)
 
-    def _start_routes(self) -> None:
-        if self.model.config.is_moe:
-            self.model.route_log = []
+    @staticmethod
+    def _start_routes(model: DecoderModel) -> None:
+        if model.config.is_moe:
+            model.route_log = []
 
-    def _keep_routes(self, reqs: list[Request], starts: list[int], counts: list[int]) -> None:
+    def _keep_routes(self, reqs: list[Request], starts: list[int], counts: list[int], model: DecoderModel) -> None:
         """File the experts each layer chose for this forward's tokens under each request's positions."""
-        log, self.model.route_log = self.model.route_log, None
+        log, model.route_log = model.route_log, None
         if not log:
             return
         chosen = torch.stack(log, dim=1).tolist()  # [tokens, layers, k], the requests' tokens in order
@@ -301,9 +342,9 @@ class DecodeLoop:
                 slot[start + j] = chosen[offset + j]
             offset += n
 
-    def _accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        """Sample one token per request from ``logits`` (masked by grammars), stamp it, and finish requests that
-        are done."""
+    def _accept(self, reqs: list[Request], logits: torch.Tensor, version: int) -> None:
+        """Sample one token per request from ``logits`` (masked by grammars), stamp it with the ``version`` that
+        computed them, and finish requests that are done."""
         rules = [r.rules for r in reqs]
         errors: list[str | None] = [None] * len(reqs)
         if any(rules):
@@ -317,14 +358,14 @@ class DecodeLoop:
                 continue
             req.output.append(tok)
             req.logprobs.append(lp)
-            req.versions.append(self._version)
+            req.versions.append(version)
             if tops is not None and (alternatives := tops[i]) is not None:
                 req.top = req.top if req.top is not None else []
                 req.top.append(alternatives)
             self._stats["tokens_generated"] += 1
             if req.on_token is not None:
                 try:
-                    req.on_token(tok, lp, self._version)
+                    req.on_token(tok, lp, version)
                 except Exception:  # a broken listener must not stop the engine
                     req.on_token = None
             stopped, error = self.output_rules.accept(req.rules, req.output) if req.rules else (False, None)
@@ -334,6 +375,10 @@ class DecodeLoop:
                 self._finish(req, "stop")
             elif len(req.output) >= req.sampling.max_new_tokens or len(req.prompt) + len(req.output) >= self.max_len:
                 self._finish(req, "length")
+
+    def _fail_gone(self, req: Request) -> None:
+        self._stats["requests_version_gone"] += 1
+        self._fail(req, VersionGone(f"weight version {self._pinned(req)} is no longer served (held: {self._served()})"))
 
     def _fail(self, req: Request, exc: BaseException) -> None:
         """End one request with an error (its grammar failed); the others go on."""
@@ -447,8 +492,12 @@ class DecodeLoop:
             self._released = False
 
     def _do_update(self, version: int, named_tensors: dict[str, Any]) -> None:
+        gone = self._held.hold(self._version, self.model)
         self.model.load_(named_tensors)
         self._version = version
+        if self._held.keep > 1:  # pinned requests keep their versions' KV; those of a dropped version end
+            self._drop_versions(set(gone))
+            return
         if self.abort_on_update:  # requests with no token yet simply start under the new version
             taken = self._take_all()
             for req in taken:
@@ -468,6 +517,19 @@ class DecodeLoop:
                 self._drop_entry(slot)
             elif self.kv_on_update == "recompute":
                 self._stale.add(slot)
+
+    def _drop_versions(self, gone: set[int]) -> None:
+        for slot, ids in list(self._idle.items()):
+            if ids and self._idle_version.get(slot) in gone:
+                self._drop_entry(slot)
+        for req in self._take_all():
+            if self._pinned(req) in gone:
+                self._fail_gone(req)
+            elif req.slot is None:
+                with self._cv:
+                    self._waiting.append(req)
+            else:
+                self._running[req.slot] = req
 
     def _do_score(self, ids: list[int], start: int, top_k: int) -> ScoreResult:
         t0 = time.perf_counter()

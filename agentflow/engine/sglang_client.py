@@ -270,6 +270,11 @@ class SGLangEngine(SGLangWeightUpdates):
         return self._run(self._generate(list(input_ids), sampling or SamplingParams(), rid or uuid.uuid4().hex))
 
     async def _generate(self, ids: list[int], sampling: SamplingParams, rid: str) -> GenerateResult:
+        if sampling.weight_version is not None:
+            raise ValueError(
+                "sampling.weight_version: an SGLang server serves one weight version at a time; version pinning "
+                "(rollout.partial: pin) needs the embedded engine"
+            )
         if sampling.seed is not None or sampling.grammar is not None:
             await self._check_settings(sampling)
         body = {"input_ids": ids, "sampling_params": sampling_json(sampling), "return_logprob": True, "rid": rid}
