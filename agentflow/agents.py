@@ -137,8 +137,12 @@ class WhiteBoxAgent(BaseAgent):
     async def run(self, episode: Episode) -> Trajectory:
         e = episode
         sampling = replace(e.sampling, weight_version=e.engine.weight_version) if self.pin_versions else e.sampling
-        return await run_episode(e.engine, e.tokenizer, e.env, e.spec, sampling, e.max_len, context=self.context,
+        traj = await run_episode(e.engine, e.tokenizer, e.env, e.spec, sampling, e.max_len, context=self.context,
                                  recycle=self.recycle, unfinished_turn=self.unfinished_turn)  # fmt: skip
+        forget = getattr(e.engine, "forget_prefix", None)  # its cached KV is the first to go now
+        if callable(forget) and traj.segments:
+            forget(traj.segments[-1].token_ids)
+        return traj
 
 
 @register_agent("blackbox")

@@ -141,6 +141,15 @@ class EngineConfig(Section):
     the old weights' KV (the recorded log-probs are what was sampled over it, so the importance ratio corrects for
     it; SGLang: updates without flushing its radix cache); ``recompute`` (embedded) prefills them again under the new
     weights while the engine has nothing else to do."""
+    admission: Literal["fifo", "resumed_first"] = "fifo"
+    """Embedded: queued requests start in arrival order, or ``resumed_first``: a paused episode's next turn (it
+    continues a cached context) goes ahead of new episodes when slots are short."""
+    kv_ttl_s: float | None = Field(None, gt=0)
+    """Embedded: how long an idle cached entry counts as a paused episode's (kept ahead of older ones; spilled
+    rather than dropped); None: learned, twice the p90 of measured gaps between a turn's end and the next turn."""
+    kv_spill_bytes: int = Field(0, ge=0)
+    """Embedded: host memory for a second tier of cached entries: a live entry displaced from its slot is copied
+    there and copied back when its episode resumes (0: displaced entries are dropped)."""
     kv_max_age: int | None = Field(None, ge=0)
     """``keep``/``recompute``: cached KV more than this many versions old is dropped at an update (default: the
     job's staleness bound)."""
@@ -335,6 +344,14 @@ class JobConfig(Section):
             raise ValueError(
                 "engine.kv_on_update: recompute re-prefills cached prefixes inside the embedded engine; SGLang "
                 "servers can flush or keep their radix cache (use flush or keep)"
+            )
+        embedded_only = {"admission": e.admission != "fifo", "kv_ttl_s": e.kv_ttl_s is not None,
+                         "kv_spill_bytes": e.kv_spill_bytes > 0}  # fmt: skip
+        set_keys = [k for k, v in embedded_only.items() if v]
+        if e.type == "sglang" and set_keys:
+            raise ValueError(
+                f"engine.{set_keys[0]}: the embedded engine's cache setting; SGLang servers manage their own radix "
+                "cache and queue (set them on the servers)"
             )
         if e.kv_on_update == "flush" and self.transfer.get("flush_cache") is False:
             raise ValueError(

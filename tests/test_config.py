@@ -43,6 +43,8 @@ def test_kv_on_update_is_one_setting_the_transport_follows():
         load_config(None, ['transfer={"type": "inprocess", "flush_cache": false}'])
     with pytest.raises(ConfigError, match="engine.kv_on_update: recompute re-prefills"):
         load_config(None, ["engine.kv_on_update=recompute", "engine.type=sglang"])
+    with pytest.raises(ConfigError, match="engine.kv_spill_bytes: the embedded engine's cache setting"):
+        load_config(None, ["engine.kv_spill_bytes=1000", "engine.type=sglang"])
 
 
 @pytest.mark.parametrize(

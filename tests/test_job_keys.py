@@ -90,7 +90,17 @@ def _recompute_acted(summary: dict, run_dir: Path) -> None:
     assert kv["kv_recomputed_tokens"] > 0  # cached prefixes were prefilled again under newer weights
 
 
+def _spill_acted(summary: dict, run_dir: Path) -> None:
+    kv = summary["kv_cache"]
+    assert kv["admission"] == "resumed_first" and kv["kv_spill_bytes"] == 50_000_000
+    assert kv["evicted_live"] > 0 and kv["kv_spilled"] == kv["evicted_live"] and kv["kv_ttl_s"] > 0
+
+
 CASES = {
+    "engine.kv_spill_bytes=50000000": (
+        ["engine.kv_spill_bytes=50000000", "engine.admission=resumed_first", "engine.max_slots=2"],
+        _spill_acted,
+    ),
     "rollout.partial=pin": (["rollout.partial=pin"], _pin_acted),
     "engine.kv_on_update=recompute": (["engine.kv_on_update=recompute"], _recompute_acted),
     "agent.type=blackbox": (BLACKBOX, _blackbox_acted),

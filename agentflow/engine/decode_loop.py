@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from agentflow.engine.kv_tier import ResumeGaps, SpillTier, now
 from agentflow.engine.output_rules import OutputRules, RequestRules, top_alternatives
+from agentflow.engine.prefix_cache import PrefixSlots
 from agentflow.engine.qwen2 import DecoderModel, KVCache
 from agentflow.engine.sampling import sample_batch
 from agentflow.engine.versions import HeldVersions, VersionGone
@@ -71,30 +73,6 @@ class Request:
         )
 
 
-RECOMPUTE_TOKENS_PER_STEP = 1024
-"""Stale prefix-cache tokens one idle step of ``kv_on_update: recompute`` prefills again (about one long context)."""
-
-MIN_PREFIX_HIT = 4
-"""Shortest cached prefix worth taking a slot for. A match of a token or two is a coincidence that saves almost no
-prefill, and taking that slot would evict its cached sequence and scatter the batch over the slot range (the decode
-step attends over the range ``[min slot, max slot]``)."""
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality (C-speed compares)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 def _slots(reqs: list[Request]) -> list[int]:
     """The slots of admitted requests (each has one)."""
     out = [r.slot for r in reqs]
@@ -111,7 +89,7 @@ def safe_deliver(deliver: Deliver, value: GenerateResult | BaseException) -> Non
         pass
 
 
-class DecodeLoop:
+class DecodeLoop(PrefixSlots):
     """The decode thread's side of the engine: admission into slots, batched prefill and decode, finishing
     requests, and the ops (pause, flush, memory, weight update, scoring) that run between steps."""
 
@@ -131,6 +109,11 @@ class DecodeLoop:
     _idle: OrderedDict[int, list[int]]
     _idle_version: dict[int, int]
     _stale: set[int]
+    _released_at: dict[int, float]
+    _ended: set[int]
+    _gaps: ResumeGaps
+    _spill: SpillTier
+    admission: str
     _slot_routes: dict[int, dict[int, list[list[int]]]]
     """MoE models: the experts chosen at each position of each slot's cached tokens (a prefix hit reuses them)."""
     _rids: set[str]
@@ -155,6 +138,9 @@ class DecodeLoop:
         if model is None:
             raise VersionGone(f"weight version {version} is no longer served (held: {self._served()})")
         return model
+
+    def _multi_version(self) -> bool:
+        return self._held.keep > 1
 
     def _served(self) -> list[int]:
         return [*self._held.versions(), self._version]
@@ -203,7 +189,7 @@ class DecodeLoop:
             with self._cv:
                 if not self._waiting:
                     break
-                req = self._waiting.popleft()
+                req = self._next_waiting()
             if self._pinned(req) not in self._served():  # its version was dropped while it waited
                 self._fail_gone(req)
                 continue
@@ -216,81 +202,6 @@ class DecodeLoop:
             self._decode(group, model, version)
         if self._stale and not admitted and not self._waiting:
             self._recompute_some()
-
-    def _recompute_some(self, budget: int = RECOMPUTE_TOKENS_PER_STEP) -> None:
-        """Prefill stale prefix-cache entries again under the current weights, most recently used first, at most
-        ``budget`` tokens (one entry at least) so that a step with running requests is not held up for long."""
-        slots: list[int] = []
-        total = 0
-        for slot in reversed(self._idle):
-            if slot in self._stale and (not slots or total + len(self._idle[slot]) <= budget):
-                slots.append(slot)
-                total += len(self._idle[slot])
-        picked = [s for s in slots if self._idle[s]]
-        if not picked:
-            self._stale.difference_update(slots)
-            return
-        slots = picked
-        chunks = [torch.tensor(self._idle[s], dtype=torch.long) for s in slots]
-        t0 = time.perf_counter()
-        self._start_routes(self.model)
-        self.model.prefill_batch(self.cache, slots, chunks, [0] * len(slots))
-        log, self.model.route_log = self.model.route_log, None
-        self._stats["busy_seconds"] += time.perf_counter() - t0
-        self._stats["kv_recomputed_tokens"] += total
-        offset = 0
-        chosen = torch.stack(log, dim=1).tolist() if log else None
-        for slot, chunk in zip(slots, chunks, strict=True):
-            self._idle_version[slot] = self._version
-            if chosen is not None:  # MoE: the experts the new weights chose for the recomputed positions
-                self._slot_routes[slot] = {p: chosen[offset + p] for p in range(len(chunk))}
-            offset += len(chunk)
-        self._stale.difference_update(slots)  # last: a reader of the stats sees the work done once it is gone
-
-    def _admit(self, req: Request) -> int:
-        """Give ``req`` the idle slot whose cached ids share the longest prefix with it (at least
-        :data:`MIN_PREFIX_HIT` tokens), else the lowest-numbered empty slot, else the least recently used one.
-
-        Lowest-numbered: a decode step attends over the slot range of the running requests, so a compact range
-        (no idle slots between them, no gather) is what keeps a step cheap; after a flush every slot is empty and
-        taking them in LRU order scattered a batch of 32 over 64 slots (1.2x HF at batch 32 instead of 1.6x).
-        """
-        seq = req.prompt + req.output
-        want = self._pinned(req)
-        best, hit = next(iter(self._idle)), 0
-        empty = min((slot for slot, ids in self._idle.items() if not ids), default=None)
-        if empty is not None:
-            best = empty
-        if self.prefix_cache:
-            for slot, ids in self._idle.items():
-                if self._held and self._idle_version.get(slot) != want:  # pinned: only KV of its own version
-                    continue
-                n = common_prefix(ids, seq) if ids else 0
-                if n > hit and n >= MIN_PREFIX_HIT:
-                    best, hit = slot, n
-        del self._idle[best]
-        version = self._idle_version.pop(best, self._version)
-        if best in self._stale:  # kept for recompute but not recomputed yet: its KV is the old weights'
-            self._stale.discard(best)
-            if hit:
-                self._stats["kv_recomputed_on_admit"] += 1
-                self._stats["kv_recomputed_tokens"] += hit
-            hit = 0
-        req.slot = best
-        req.cached = min(hit, len(seq) - 1)  # at least one token goes through the model for its logits
-        req.kv_version = version if req.cached else want
-        if req.cached and version < want:
-            self._stats["stale_prefix_hits"] += 1
-            self._stats["stale_prefix_tokens_reused"] += req.cached
-        if self.model.config.is_moe and req.cached:  # the cached positions' experts, chosen when they were computed
-            known = self._slot_routes.get(best, {})
-            req.routes = (req.routes or []) + [(p, known[p]) for p in range(req.cached) if p in known]
-        if req.cached > 0:
-            self._stats["prefix_hits"] += 1
-            self._stats["prefix_tokens_reused"] += req.cached
-        if not req.output:
-            req.cache_hit = req.cached
-        return best
 
     def _prefill(self, reqs: list[Request], model: DecoderModel, version: int) -> None:
         """Encode newly admitted requests' uncached tokens in one forward pass of ``model`` (one per request was
@@ -393,6 +304,7 @@ class DecodeLoop:
             seq = (req.prompt + req.output)[: req.cached] if keep_kv and self.prefix_cache else []
             self._idle[req.slot] = seq
             self._idle_version[req.slot] = req.kv_version
+            self._released_at[req.slot] = now()
             if not seq:
                 self._idle.move_to_end(req.slot, last=False)  # empty slots are taken before cached ones
             elif self.kv_on_update == "recompute" and req.kv_version < self._version:
@@ -468,18 +380,6 @@ class DecodeLoop:
     def _do_resume(self) -> None:
         self._paused = None
 
-    def _do_flush(self) -> bool:
-        for slot in list(self._idle):
-            self._drop_entry(slot)
-        return True
-
-    def _drop_entry(self, slot: int) -> None:
-        self._idle[slot] = []
-        self._idle.move_to_end(slot, last=False)  # empty slots are taken before cached ones
-        self._slot_routes.pop(slot, None)
-        self._idle_version.pop(slot, None)
-        self._stale.discard(slot)
-
     def _do_release(self) -> None:
         self._retract_running()
         self._do_flush()
@@ -505,23 +405,13 @@ class DecodeLoop:
                     self._finish(req, "abort")
             with self._cv:
                 self._waiting.extendleft(reversed([r for r in taken if not r.output]))
-        if not self.keep_cache_on_update:
-            self._do_flush()
-            return
-        oldest = version - self.kv_max_age if self.kv_max_age is not None else None
-        for slot, ids in list(self._idle.items()):
-            if not ids:
-                continue
-            if oldest is not None and self._idle_version.get(slot, version) < oldest:
-                self._stats["kv_dropped_too_old"] += 1
-                self._drop_entry(slot)
-            elif self.kv_on_update == "recompute":
-                self._stale.add(slot)
+        self._cache_after_update(version, self.keep_cache_on_update)
 
     def _drop_versions(self, gone: set[int]) -> None:
         for slot, ids in list(self._idle.items()):
             if ids and self._idle_version.get(slot) in gone:
                 self._drop_entry(slot)
+        self._spill.drop_versions(set(self._served()))
         for req in self._take_all():
             if self._pinned(req) in gone:
                 self._fail_gone(req)

@@ -30,26 +30,23 @@ from typing import Any, TypeVar
 
 import torch
 
-from agentflow.engine.decode_loop import (
-    MIN_PREFIX_HIT,
-    DecodeLoop,
-    Deliver,
-    OnToken,
-    Request,
-    common_prefix,
-    safe_deliver,
-)
+from agentflow.engine.decode_loop import DecodeLoop, Deliver, OnToken, Request, safe_deliver
+from agentflow.engine.kv_tier import ResumeGaps, SpillTier, common_prefix
 from agentflow.engine.output_rules import OutputRules
+from agentflow.engine.prefix_cache import MIN_PREFIX_HIT
 from agentflow.engine.qwen2 import DecoderModel, KVCache, load_hf_dir, validate_weights
 from agentflow.engine.versions import HeldVersions, VersionGone
 from agentflow.types import GenerateResult, PauseMode, SamplingParams, ScoreResult
 
-# common_prefix and MIN_PREFIX_HIT live with the decode loop; importing them from here keeps working
+# common_prefix and MIN_PREFIX_HIT live with the prefix cache; importing them from here keeps working
 __all__ = ["MIN_PREFIX_HIT", "EmbeddedEngine", "OnToken", "common_prefix"]
 
 T = TypeVar("T")
 _PAUSE_MODES = ("abort", "retract", "in_place")
 KV_ON_UPDATE = ("flush", "keep", "recompute")
+ADMISSION = ("fifo", "resumed_first")
+DEFAULT_TTL_S = 30.0
+"""A paused entry's time-to-live until enough resume gaps were measured to learn it."""
 
 
 def _settle(fut: asyncio.Future[GenerateResult], value: GenerateResult | BaseException) -> None:
@@ -68,6 +65,10 @@ class EmbeddedEngine(DecodeLoop):
     of one request; together they size the preallocated KV cache. ``seed`` seeds requests that carry no seed.
     ``prefix_cache`` keeps finished requests' KV in idle slots for reuse; ``kv_on_update`` says what a weight
     update does to it (module docstring), ``kv_max_age`` how many versions old kept KV may be (None: no bound).
+    ``kv_spill_bytes`` > 0 keeps live entries displaced from their slots in a second tier of that size;
+    ``kv_ttl_s`` fixes how long an idle entry counts as live (None: learned from measured resume gaps);
+    ``admission="resumed_first"`` admits queued requests that continue a cached context ahead of the others
+    (:mod:`agentflow.engine.prefix_cache`, :mod:`agentflow.engine.kv_tier`).
     """
 
     canonical_forcing = True
@@ -82,7 +83,12 @@ class EmbeddedEngine(DecodeLoop):
         prefix_cache: bool = True,
         kv_on_update: str = "flush",
         kv_max_age: int | None = None,
+        admission: str = "fifo",
+        kv_ttl_s: float | None = None,
+        kv_spill_bytes: int = 0,
     ) -> None:
+        if admission not in ADMISSION:
+            raise ValueError(f"admission must be one of {ADMISSION}, got {admission!r}")
         if kv_on_update not in KV_ON_UPDATE:
             raise ValueError(f"kv_on_update must be one of {KV_ON_UPDATE}, got {kv_on_update!r}")
         self.model_dir = str(model_dir)
@@ -99,6 +105,12 @@ class EmbeddedEngine(DecodeLoop):
         self._idle_version: dict[int, int] = {}
         """Oldest weight version whose KV an idle slot's entry holds."""
         self._held = HeldVersions(1)
+        self.admission = admission
+        self._released_at: dict[int, float] = {}
+        self._ended: set[int] = set()
+        """Idle slots whose entry belongs to an episode that ended (:meth:`forget_prefix`): evicted first."""
+        self._gaps = ResumeGaps(kv_ttl_s if kv_ttl_s is not None else DEFAULT_TTL_S, fixed=kv_ttl_s is not None)
+        self._spill = SpillTier(kv_spill_bytes)
         self._stale: set[int] = set()
         """Idle slots whose entry waits to be prefilled again under the current weights (``recompute``)."""
         self._seed = seed
@@ -138,6 +150,16 @@ class EmbeddedEngine(DecodeLoop):
             "kv_recomputed_on_admit": 0,
             "kv_dropped_too_old": 0,
             "requests_version_gone": 0,
+            "resumed_ahead": 0,
+            "prefix_copies": 0,
+            "evicted_ended": 0,
+            "evicted_expired": 0,
+            "evicted_live": 0,
+            "evicted_expired_spill": 0,
+            "kv_spilled": 0,
+            "kv_spill_dropped": 0,
+            "kv_restored": 0,
+            "kv_restored_tokens": 0,
         }
         self.output_rules = OutputRules(self.model_dir, self.model.config.vocab_size)
         self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
@@ -256,6 +278,15 @@ class EmbeddedEngine(DecodeLoop):
                 self._aborts.add(rid)
                 self._cv.notify_all()
 
+    def forget_prefix(self, ids: list[int]) -> None:
+        """The episode whose context is ``ids`` ended: its cached entries are the first to go when a slot is
+        needed (they stay usable until then: a sibling episode may share their prefix)."""
+        ids = [int(t) for t in ids]
+        with self._cv:  # not waited for: an episode's end must not wait on a decode step
+            if not self._closed:
+                self._ops.append((lambda: self._do_forget(ids), cf.Future()))
+                self._cv.notify_all()
+
     def flush_cache(self) -> bool:
         """Drop the prefix cache (KV that no request holds); in-place paused requests keep their own KV."""
         return self._run_op(self._do_flush)
@@ -285,6 +316,9 @@ class EmbeddedEngine(DecodeLoop):
             waiting=waiting,
             weight_version=self._version,
             versions_served=self._served(),
+            kv_ttl_s=self._gaps.ttl_s(),
+            spilled_entries=len(self._spill),
+            spill_bytes=self._spill.nbytes,
             held_weights_bytes=self._held.nbytes(),
             paused=self._paused,
             released=self._released,

@@ -24,6 +24,9 @@ def make_engine(cfg: EngineConfig, model_dir: str | Path, seed: int = 0) -> Infe
             prefix_cache=cfg.prefix_cache,
             kv_on_update=cfg.kv_on_update,
             kv_max_age=cfg.kv_max_age,
+            admission=cfg.admission,
+            kv_ttl_s=cfg.kv_ttl_s,
+            kv_spill_bytes=cfg.kv_spill_bytes,
         )
     if cfg.type == "sglang":
         from agentflow.engine.sglang_client import SGLangEngine

@@ -160,19 +160,31 @@ KV_COUNTERS = (
     "kv_recomputed_tokens",
     "kv_recomputed_on_admit",
     "kv_dropped_too_old",
+    "resumed_ahead",
+    "prefix_copies",
+    "evicted_ended",
+    "evicted_expired",
+    "evicted_live",
+    "kv_spilled",
+    "kv_spill_dropped",
+    "kv_restored",
+    "kv_restored_tokens",
 )
 
 
 def kv_cache_summary(job: Job) -> dict[str, Any]:
     """``engine.kv_on_update`` and, from an engine that counts them (the embedded one), how much of the prompts'
     KV the prefix cache supplied over the job (training episodes and evaluations together)."""
-    out: dict[str, Any] = {"kv_on_update": job.cfg.engine.kv_on_update, "kv_max_age": job.cfg.engine.kv_max_age}
+    e = job.cfg.engine
+    out: dict[str, Any] = {"kv_on_update": e.kv_on_update, "kv_max_age": e.kv_max_age, "admission": e.admission,
+                           "kv_spill_bytes": e.kv_spill_bytes}  # fmt: skip
     stats = getattr(job.engine, "stats", None)
     counters = stats() if callable(stats) else None
     if isinstance(counters, dict) and all(k in counters for k in KV_COUNTERS):
         out.update({k: int(counters[k]) for k in KV_COUNTERS})
         prompt_tokens = out["prefill_tokens"] + out["prefix_tokens_reused"]  # each prompt token: computed or reused
         out["reused_over_prompt_tokens"] = out["prefix_tokens_reused"] / prompt_tokens if prompt_tokens else 0.0
+        out["kv_ttl_s"] = counters.get("kv_ttl_s")
     return out
 
 
