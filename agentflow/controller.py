@@ -90,7 +90,7 @@ async def rl_loop(job: Job, resume: ResumeState | None = None, evaluate: Evaluat
             result.record(step + 1, batch, report["total_s"], store.last_replayed)
             extra = await _every_steps(job, result, evaluate)
             job.metrics.step(result.steps, train=metrics, rollout=batch_metrics(batch), store=store.metrics(),
-                             sync=report, **extra)  # fmt: skip
+                             sync=report, engine=engine_counters(job.engine), **extra)  # fmt: skip
     finally:
         feeder.cancel()
         await asyncio.gather(feeder, return_exceptions=True)
@@ -236,6 +236,37 @@ def score_reference(ref_engine: InferenceEngine, samples: list[Sample]) -> None:
     """Reference log-prob of every token given its prefix (position 0 has none), via the engine's ``score``."""
     for s in samples:
         s.ref_logprobs = [0.0] + list(ref_engine.score(s.token_ids, 1).logprobs)
+
+
+KV_COUNTERS = (
+    "prefill_tokens",
+    "prefix_hits",
+    "prefix_tokens_reused",
+    "stale_prefix_hits",
+    "stale_prefix_tokens_reused",
+    "kv_recomputed_tokens",
+    "kv_recomputed_on_admit",
+    "kv_dropped_too_old",
+    "resumed_ahead",
+    "prefix_copies",
+    "evicted_ended",
+    "evicted_expired",
+    "evicted_live",
+    "kv_spilled",
+    "kv_spill_dropped",
+    "kv_restored",
+    "kv_restored_tokens",
+)
+"""Prefix-cache counters an engine reports (the embedded one), cumulative since it started."""
+
+
+def engine_counters(engine: object) -> dict[str, float]:
+    """:data:`KV_COUNTERS` from ``engine.stats()`` where it has them all (else empty)."""
+    stats = getattr(engine, "stats", None)
+    counters = stats() if callable(stats) else None
+    if not isinstance(counters, dict) or not all(k in counters for k in KV_COUNTERS):
+        return {}
+    return {k: float(counters[k]) for k in KV_COUNTERS}
 
 
 def batch_metrics(groups: list[Group]) -> dict[str, float]:

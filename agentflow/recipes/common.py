@@ -10,7 +10,7 @@ from typing import Any
 import envs
 from agentflow.builder import Job, JobError, pin_threads, refuse_unsupported
 from agentflow.config import JobConfig
-from agentflow.controller import LoopResult
+from agentflow.controller import LoopResult, engine_counters
 from agentflow.rollout import overlap_seconds
 from agentflow.types import SupervisedEngine
 
@@ -151,40 +151,18 @@ def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
     }
 
 
-KV_COUNTERS = (
-    "prefill_tokens",
-    "prefix_hits",
-    "prefix_tokens_reused",
-    "stale_prefix_hits",
-    "stale_prefix_tokens_reused",
-    "kv_recomputed_tokens",
-    "kv_recomputed_on_admit",
-    "kv_dropped_too_old",
-    "resumed_ahead",
-    "prefix_copies",
-    "evicted_ended",
-    "evicted_expired",
-    "evicted_live",
-    "kv_spilled",
-    "kv_spill_dropped",
-    "kv_restored",
-    "kv_restored_tokens",
-)
-
-
 def kv_cache_summary(job: Job) -> dict[str, Any]:
     """``engine.kv_on_update`` and, from an engine that counts them (the embedded one), how much of the prompts'
     KV the prefix cache supplied over the job (training episodes and evaluations together)."""
     e = job.cfg.engine
     out: dict[str, Any] = {"kv_on_update": e.kv_on_update, "kv_max_age": e.kv_max_age, "admission": e.admission,
                            "kv_spill_bytes": e.kv_spill_bytes}  # fmt: skip
-    stats = getattr(job.engine, "stats", None)
-    counters = stats() if callable(stats) else None
-    if isinstance(counters, dict) and all(k in counters for k in KV_COUNTERS):
-        out.update({k: int(counters[k]) for k in KV_COUNTERS})
+    counters = engine_counters(job.engine)
+    if counters:
+        out.update({k: int(v) for k, v in counters.items()})
         prompt_tokens = out["prefill_tokens"] + out["prefix_tokens_reused"]  # each prompt token: computed or reused
         out["reused_over_prompt_tokens"] = out["prefix_tokens_reused"] / prompt_tokens if prompt_tokens else 0.0
-        out["kv_ttl_s"] = counters.get("kv_ttl_s")
+        out["kv_ttl_s"] = job.engine.stats().get("kv_ttl_s")  # type: ignore[attr-defined]
     return out
 
 

@@ -1,0 +1,217 @@
+"""Agentic rollout policies on the long-horizon job: KV across env pauses and weight updates, version pinning.
+
+The workload is ``configs/agentic.yaml`` (agentflow/Trail-v0: 5-20 turns, contexts past 1,000 tokens) from its
+cached warm-up, with every ``sh`` call also waiting a lognormal time (median 0.3 s, sigma 1, capped at 8 s:
+``bench/SlowTrail-v0``), as a remote tool would. Every policy trains the same number of samples from the same
+policy on the same task draws; only the rollout settings differ:
+
+- ``sync``: ``run.mode=sync`` with today's rollout settings (the reference for the async speed-up);
+- ``fifo+flush``: async as it ships (FIFO admission, the prefix cache flushed at every weight update, partial
+  rollouts continued under the new version);
+- ``keep`` / ``recompute``: ``engine.kv_on_update`` keep or recompute;
+- ``pin``: ``rollout.partial=pin`` (one weight version per trajectory);
+- ``keep+resumed_first+spill``: keep, resumed turns admitted first, displaced entries spilled to a host tier.
+
+Reported per policy: trained samples/s, episode time p50/p99 (training episodes), prefix tokens reused / prompt
+tokens during RL (from the engine's counters in ``metrics.jsonl``, first step to last), the train/infer log-prob
+gap (``train/is_approx_k3_kl``, median over steps), mixed-version trajectories, held-out success before and after.
+Writes ``benchmarks/results/agentic_rollout.json`` and ``.png``.
+
+    .venv/bin/python benchmarks/agentic_rollout.py                 # 30 steps per policy, 100 held-out episodes
+    .venv/bin/python benchmarks/agentic_rollout.py --only keep pin  # some policies (merged into an existing json)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import _path  # noqa: F401  (must come before the project's imports: see _path.py)
+
+import envs
+from agentflow.config import load_config
+from agentflow.recipes.common import ensure_model
+from agentflow.recipes.rl import run_job
+from agentflow.recipes.warmup import run_sft
+from agentflow.store import Journal
+from envs.trail import TrailEnv
+
+CONFIG = "configs/agentic.yaml"
+POLICIES: dict[str, list[str]] = {
+    "sync": ["run.mode=sync"],
+    "fifo+flush": [],
+    "keep": ["engine.kv_on_update=keep"],
+    "recompute": ["engine.kv_on_update=recompute"],
+    "pin": ["rollout.partial=pin"],
+    "keep+resumed_first+spill": [
+        "engine.kv_on_update=keep",
+        "engine.admission=resumed_first",
+        f"engine.kv_spill_bytes={256 << 20}",
+    ],
+}
+
+
+class SlowTrail(TrailEnv):
+    """Trail whose tool calls also wait a lognormal time (median ``median_s``, sigma, capped)."""
+
+    _instances = itertools.count()
+
+    def __init__(self, *args: Any, median_s: float = 0.3, sigma: float = 1.0, cap_s: float = 8.0, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.median_s, self.sigma, self.cap_s = median_s, sigma, cap_s
+        self._rng = random.Random(next(SlowTrail._instances))
+
+    async def acall_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        if self.median_s > 0:
+            await asyncio.sleep(min(self.cap_s, self._rng.lognormvariate(math.log(self.median_s), self.sigma)))
+        return await super().acall_tool(name, arguments)
+
+
+def policy_model() -> Path:
+    """The long-horizon job's warmed-up policy (its cached warm-up; made on first use, ~17 min)."""
+    cfg = load_config(CONFIG)
+    return run_sft(cfg, ensure_model(cfg), Path(cfg.run.dir).parent / "cache", lambda *_: None)
+
+
+def run(name: str, model: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    run_dir = out / name.replace("+", "-")
+    overrides = [
+        f"model.path={model}",
+        "sft.enabled=false",
+        "env.id=bench/SlowTrail-v0",
+        f"env.kwargs={{median_s: {args.median_s}}}",
+        f"run.steps={args.steps}",
+        f"run.dir={run_dir}",
+        "run.progress=false",
+        "run.overwrite=true",
+        f"eval.episodes={args.eval_episodes}",
+        *POLICIES[name],
+    ]
+    cfg = load_config(CONFIG, overrides)
+    t0 = time.monotonic()
+    s = run_job(cfg, log=lambda *_: None)
+    return measure(s, run_dir, time.monotonic() - t0)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def measure(s: dict[str, Any], run_dir: Path, job_s: float) -> dict[str, Any]:
+    """What the table compares, from the run's summary, metrics and journal."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    k3 = [r["train/is_approx_k3_kl"] for r in rows if "train/is_approx_k3_kl" in r]
+    trajs = [t for t in Journal.read(run_dir / "journal.jsonl") if t.info.get("split", "train") == "train"]
+    episode_s = [t.timings["episode_s"] for t in trajs if "episode_s" in t.timings]
+    kv = s.get("kv_cache") or {}
+    eng = [r for r in rows if "engine/prefill_tokens" in r]  # cumulative engine counters at each step's end
+    reused = prompt = None
+    if len(eng) >= 2:  # from the first step's end to the last: RL only, no held-out evaluation in between
+        reused = eng[-1]["engine/prefix_tokens_reused"] - eng[0]["engine/prefix_tokens_reused"]
+        prompt = reused + eng[-1]["engine/prefill_tokens"] - eng[0]["engine/prefill_tokens"]
+    return {
+        "trained_samples_per_s": s["trajectories_trained"] / max(s["rl_wall_s"], 1e-9),
+        "trajectories_trained": s["trajectories_trained"],
+        "rl_wall_s": s["rl_wall_s"],
+        "job_wall_s": job_s,
+        "episode_s_p50": _pct(episode_s, 0.5),
+        "episode_s_p99": _pct(episode_s, 0.99),
+        "episodes_timed": len(episode_s),
+        "reused_over_prompt_tokens": reused / prompt if reused is not None and prompt else None,
+        "recomputed_tokens_rl": (eng[-1]["engine/kv_recomputed_tokens"] - eng[0]["engine/kv_recomputed_tokens"])
+        if len(eng) >= 2
+        else None,
+        "kv_cache": kv,
+        "k3_gap_median": statistics.median(k3) if k3 else None,
+        "k3_gap_max": max(k3) if k3 else None,
+        "mixed_version_trajectories": sum(t.min_version() != t.max_version() for t in trajs),
+        "trajectories_journaled": len(trajs),
+        "success_before_rl": s["success_before_rl"],
+        "success_after_rl": s["success_after_rl"],
+        "mean_staleness": s["mean_staleness"],
+        "max_staleness_seen": s["max_staleness_seen"],
+        "engine_busy_fraction": s["engine_busy_fraction"],
+        "trainer_busy_fraction": s["trainer_busy_fraction"],
+    }
+
+
+def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    base = results.get("fifo+flush")
+    out: dict[str, Any] = {"workload": f"{CONFIG} on bench/SlowTrail-v0 (tool latency median {args.median_s} s)"}
+    out["policies"] = results
+    if base and "sync" in results:
+        out["async_over_sync"] = base["trained_samples_per_s"] / results["sync"]["trained_samples_per_s"]
+    if base:
+        out["vs_fifo_flush"] = {
+            name: {
+                "samples_per_s": r["trained_samples_per_s"] / base["trained_samples_per_s"],
+                "episode_p99": r["episode_s_p99"] / base["episode_s_p99"],
+                "success_after_minus": r["success_after_rl"] - base["success_after_rl"],
+            }
+            for name, r in results.items()
+        }
+    out["config"] = {"steps": args.steps, "eval_episodes": args.eval_episodes, "median_s": args.median_s}
+    return out
+
+
+def plot(table: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pol = table["policies"]
+    names = list(pol)
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
+    panels = [
+        ("trained samples/s", "trained_samples_per_s"),
+        ("episode time p99 (s)", "episode_s_p99"),
+        ("prefix tokens reused / prompt tokens", "reused_over_prompt_tokens"),
+        ("train/infer gap (k3, median)", "k3_gap_median"),
+    ]
+    for ax, (title, key) in zip(axes, panels, strict=True):
+        ax.bar(range(len(names)), [pol[n].get(key) or 0.0 for n in names], color="tab:blue")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=9)
+    fig.suptitle(table["workload"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--eval-episodes", type=int, default=100)
+    ap.add_argument("--median-s", type=float, default=0.3)
+    ap.add_argument("--only", nargs="*", choices=list(POLICIES), default=None)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--runs", default="runs/agentic_rollout", help="where the policies' run directories go")
+    args = ap.parse_args()
+    envs.register("bench/SlowTrail-v0", SlowTrail, max_turns=20)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "agentic_rollout.json"
+    results: dict[str, dict[str, Any]] = {}
+    if args.only and path.is_file():  # a partial rerun keeps the other policies' rows
+        results = json.loads(path.read_text())["policies"]
+    model = policy_model()
+    for name in args.only or list(POLICIES):
+        results[name] = run(name, model, Path(args.runs), args)
+        table = summarize({n: results[n] for n in POLICIES if n in results}, args)
+        path.write_text(json.dumps(table, indent=2))  # after every policy: an interrupted run keeps what it measured
+        print(name, json.dumps({k: v for k, v in results[name].items() if k != "kv_cache"}), flush=True)
+    plot(table, out / "agentic_rollout.png")
+
+
+if __name__ == "__main__":
+    main()
