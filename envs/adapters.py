@@ -51,6 +51,8 @@ def _import(module: str, package: str) -> Any:
 class TextArenaEnv(AgentEnv):
     """One single-player TextArena game per episode (module doc)."""
 
+    branching = "replay"  # TextArena games are seeded
+
     task_sets = {"default": simple_task_set()}  # per instance, the task type is the game
 
     def __init__(
@@ -144,6 +146,8 @@ def _render(messages: Any, skip_player: bool = False) -> str:
 
 class ReasoningGymEnv(AgentEnv):
     """One Reasoning Gym question per episode, scored by the dataset's own verifier (module doc)."""
+
+    branching = "replay"  # one question per seed
 
     task_sets = {"default": simple_task_set()}  # per instance, the task type is the dataset
     max_turns = 3  # one answer ends the episode; the other turns leave room to fix a malformed action

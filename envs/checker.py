@@ -10,7 +10,7 @@ from gymnasium.utils.env_checker import check_env
 from envs.core import AgentEnv, answer_action, tool_action
 
 
-def _default_actions(env: AgentEnv) -> list[str]:
+def default_actions(env: AgentEnv) -> list[str]:
     """A short script of actions: a call of the first tool with empty arguments (maybe an error), then an answer."""
     actions = [tool_action(env.tools[0].name, {})] if env.tools else []
     return [*actions, answer_action("0")]
@@ -26,7 +26,7 @@ def check_agent_env(env: AgentEnv, actions: list[str] | None = None, seed: int =
     """
     assert isinstance(env, AgentEnv), f"expected an AgentEnv, got {type(env).__name__}"
     check_env(env, skip_render_check=True, skip_close_check=True)
-    script = actions if actions is not None else _default_actions(env)
+    script = actions if actions is not None else default_actions(env)
     sync = _run_sync(env, script, seed)
     asynchronous = asyncio.run(_run_async(env, script, seed))
     assert sync == asynchronous, f"async episode differs from sync episode:\n{sync}\n{asynchronous}"

@@ -54,11 +54,36 @@ def check(
         print(f"warning: {note}", file=out)
     print(f"ok: {env_id} passes gymnasium check_env and the async/AgentEnv conformance checks", file=out)
     try:
+        print(check_branch(env, env_id, seed), file=out)
+    except Exception as e:  # noqa: BLE001 - a branch that does not repeat is the verdict, in one line
+        _close(env)
+        raise EnvCheckError(f"{env_id} fails the branching check: {type(e).__name__}: {_one_line(e)}") from e
+    try:
         if fuzz > 0:
             run_fuzz(env, env_id, fuzz, fuzz_seed, out)
     finally:
         _close(env)
     return notes
+
+
+def check_branch(env: AgentEnv, env_id: str, seed: int) -> str:
+    """Verify the env's declared branching on its expert's episode (or a short script); returns the verdict line."""
+    import asyncio
+
+    from envs.branching import branching_of, check_branching, expert_actions
+    from envs.checker import default_actions
+    from envs.registry import spec
+
+    mode = branching_of(env)
+    if mode is None:
+        return f"warning: {env_id} declares no branching (AgentEnv.branching): tree rollouts cannot branch it"
+    if mode == "none":
+        return f"ok: {env_id} declares that it cannot branch (branching='none')"
+    expert = spec(env_id).load_expert()
+    actions = asyncio.run(expert_actions(env, expert, seed)) if expert is not None else default_actions(env)
+    report = asyncio.run(check_branching(env, actions, seed))
+    return (f"ok: {env_id} branches by {mode}: after {report.prefix} of the episode's actions, the branched env "
+            f"repeats the next {report.compared} steps exactly")  # fmt: skip
 
 
 def run_fuzz(env: AgentEnv, env_id: str, n: int, seed: int | None, out: TextIO) -> None:

@@ -227,6 +227,11 @@ class AgentEnv(gymnasium.Env[str, str]):
     task_sets: dict[str, TaskSet] = {}
     action_limits: ActionLimits = DEFAULT_LIMITS
     """Bounds on one action (size, strings, nesting, numbers); see :mod:`envs.limits`."""
+    branching: str | None = None
+    """How an episode continues from a recorded prefix (:mod:`envs.branching`): ``snapshot`` (the env implements
+    ``snapshot()``/``restore(state)``), ``replay`` (reset on the same seed and step the recorded actions again:
+    deterministic envs) or ``none``; None: undeclared (``agentflow envs check`` says so; tree rollouts cannot branch
+    it)."""
 
     def __init__(self, max_turns: int | None = None) -> None:
         if max_turns is not None:

@@ -167,6 +167,7 @@ class CalcEnv(AgentEnv):
         )
     }
     max_observation_chars = 4096
+    branching = "snapshot"  # the episode state is the task and the turn count (the sandbox keeps nothing)
 
     def __init__(
         self,
@@ -218,6 +219,15 @@ class CalcEnv(AgentEnv):
             raise EnvError("no task: call reset() first")
         ok = verify(self.task, text)
         return (1.0 if ok else 0.0), ok
+
+    def snapshot(self) -> tuple[Any, ...]:
+        """The episode's state (task, turn, whether it ended, its info), for :func:`envs.branching.branch`."""
+        return self.task, self._turn, self._done, dict(self._task_info)
+
+    def restore(self, state: tuple[Any, ...]) -> None:
+        """Continue from a :meth:`snapshot` (of this env or another Calc env)."""
+        self.task, self._turn, self._done, info = state
+        self._task_info = dict(info)
 
     def close(self) -> None:
         """Close the sandbox (if one was created). Safe to call twice."""

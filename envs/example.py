@@ -32,6 +32,8 @@ class Task:
 class ReverseEnv(ToolEnv):
     """Spell a hidden word backwards; the ``letter`` tool reveals one letter at a time."""
 
+    branching = "replay"  # the word comes from the seed; the tool only reads it
+
     system_prompt = "Find the hidden word with the letter tool, then answer it spelled backwards."
     max_turns = 10
     task_sets = {"default": simple_task_set(task_types=("reverse",))}

@@ -58,6 +58,8 @@ def make_from_gymnasium(env_id: str, **kwargs: Any) -> AgentEnv:
 class GymTextEnv(AgentEnv):
     """An agentflow env around a Gymnasium env whose observations are text and whose actions are strings."""
 
+    branching = "replay"  # a Gymnasium env reset with the same seed follows the same actions alike
+
     def __init__(
         self,
         env: gymnasium.Env[Any, Any],

@@ -361,6 +361,8 @@ class MCPToolEnv(ToolEnv):
     episodes; one that died is reconnected at the next reset. Tool names must be unique across all of them.
     """
 
+    branching = "none"  # the tools' state lives in the MCP servers, which cannot be copied or reset
+
     mcp_servers: Sequence[MCPServer | dict[str, Any]] = ()
 
     def __init__(

@@ -239,6 +239,8 @@ class PyCodeEnv(SandboxToolEnv):
     The reward is 1 when every hidden case passes; ``reward_terms["pass_fraction"]`` (weight 0) reports the share.
     """
 
+    branching = "replay"  # the same code runs the same way in a fresh sandbox
+
     system_prompt = (
         "You write Python functions. Use the run_python tool to try code. When done, answer with the complete "
         "source of the requested function only."

@@ -26,6 +26,8 @@ class SandboxToolEnv(ToolEnv):
     ``rubric`` (see :class:`~envs.tools.ToolEnv`).
     """
 
+    branching = "replay"  # tasks are drawn from the seed and the sandbox's tools answer the same commands alike
+
     rubric: Rubric
     sandbox_limits: Limits = Limits(memory_mb=512, cpu_s=10, file_size_mb=8, max_procs=32, output_kb=64)
 

@@ -61,6 +61,8 @@ class BrowserEnv(ScreenEnv):
     forces a task type. ``last_observation`` is the latest text observation (the scripted expert reads refs there).
     """
 
+    branching = "replay"  # a fresh page per episode, its content from the seed
+
     tools = TOOLS
     system_prompt = SYSTEM_PROMPT
     max_turns = 16

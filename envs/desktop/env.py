@@ -75,6 +75,8 @@ TOOLS = [
 class DesktopEnv(ScreenEnv):
     """Desktop tasks (:data:`~envs.desktop.tasks.TASK_TYPES`) on a private Xvfb; one app process per episode."""
 
+    branching = "replay"  # a fresh app process per episode, its content from the seed
+
     tools = TOOLS
     system_prompt = SYSTEM_PROMPT
     max_turns = 12
