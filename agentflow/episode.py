@@ -75,12 +75,62 @@ async def _play(
 ) -> None:
     obs, info = await env.areset(seed=spec.seed, options={**spec.options, "split": spec.split})
     traj.info.update(task_type=info.get("task_type"), split=spec.split)
-    tools = [t.to_openai() for t in env.tools]
     seg = Segment(kind="root")
     traj.segments.append(seg)
-    seg.append_context(tokenizer.prompt_ids(env.system_prompt, obs, tools))
+    seg.append_context(tokenizer.prompt_ids(env.system_prompt, obs, [t.to_openai() for t in env.tools]))
+    await _turns(engine, tokenizer, env, sampling, max_len, traj, context, recycle, unfinished, obs, 0)
+
+
+async def run_branch(
+    engine: InferenceEngine,
+    tokenizer: ChatTokenizer,
+    env: Any,
+    spec: EpisodeSpec,
+    sampling: SamplingParams,
+    max_len: int,
+    root: Trajectory,
+    at_turn: int,
+    unfinished_turn: str = "act",
+) -> Trajectory:
+    """Continue ``root`` from the state after its first ``at_turn`` turns: the env is brought there as it declares
+    (:mod:`envs.branching`), the context is the root's token ids up to that turn (so the engine's prefix cache
+    serves it), and the loop goes on from there. The shared prefix is the root's and is not trained again (loss mask
+    0); ``info["branch_of"]``/``info["branch_turn"]`` say where the branch starts. Always returns a trajectory
+    (``error`` with the reason when the env cannot be brought back)."""
+    from envs.branching import branch
+
+    traj = Trajectory(id=spec.traj_id, task_id=root.task_id, group_id=spec.group_id, env_id=spec.env_id)
+    traj.data_source, traj.tags = spec.data_source, list(spec.tags)
+    traj.info.update(task_type=root.info.get("task_type"), split=spec.split, branch_of=root.id, branch_turn=at_turn)
+    t0 = time.perf_counter()
+    try:
+        if len(root.segments) != 1 or not 1 <= at_turn < len(root.turns):
+            raise ValueError(f"branch at turn {at_turn} of a {len(root.turns)}-turn, {len(root.segments)}-segment root")
+        shared = root.turns[:at_turn]
+        seg = Segment(kind="root")
+        seg.append_context(root.segments[0].token_ids[: root.turns[at_turn].span[0]])
+        traj.segments.append(seg)
+        traj.turns = [Turn(t.index, t.action, t.observation, t.reward, t.error, [], 0, t.span) for t in shared]
+        actions = [t.action for t in shared if t.action is not None]  # malformed turns never reached the env
+        await branch(env, spec.seed, {**spec.options, "split": spec.split}, actions)
+        obs = shared[-1].observation
+        await _turns(engine, tokenizer, env, sampling, max_len, traj, "truncate", False, unfinished_turn, obs, at_turn)
+    except Exception as e:  # as run_episode: keep what there is, say why, never score it
+        traj.status, traj.reward = "error", None
+        traj.error = f"{type(e).__name__}: {e}"
+        traj.info["traceback"] = traceback.format_exc(limit=5)
+    traj.timings["episode_s"] = time.perf_counter() - t0
+    return traj
+
+
+async def _turns(
+    engine, tokenizer, env, sampling, max_len, traj: Trajectory, context, recycle, unfinished, obs, first: int
+) -> None:
+    """The token loop from turn ``first`` on, extending ``traj``'s last segment (``obs``: the last observation)."""
+    seg = traj.segments[-1]
+    tools = [t.to_openai() for t in env.tools]
     gen_s = env_s = 0.0
-    for turn_idx in range(env.max_turns):
+    for turn_idx in range(first, env.max_turns):
         budget = min(sampling.max_new_tokens, max_len - len(seg.token_ids))
         if budget <= 0 and context == "compact":
             seg = _compact(tokenizer, env, obs, tools, traj)
