@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+from test_lap import TINY, Replay
+
 import envs
 from agentflow.chat import ChatTokenizer
 from agentflow.engine.embedded import EmbeddedEngine
 from agentflow.episode import EpisodeSpec, run_branch, run_episode
+from agentflow.model_init import init_model
 from agentflow.types import SamplingParams
 from envs.core import tool_action
-from test_lap import Replay, tiny_model  # noqa: F401  (the fixture)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return init_model(tmp_path_factory.mktemp("tiny"), TINY)
 
 
 def _call(expr: str) -> str:
-    return '<tool_call>\n{"name": "calc", "arguments": {"expression": "%s"}}\n</tool_call>' % expr
+    call = '{"name": "calc", "arguments": {"expression": "EXPR"}}'.replace("EXPR", expr)
+    return f"<tool_call>\n{call}\n</tool_call>"
 
 
 def test_a_branch_continues_the_env_where_the_root_was(tiny_model) -> None:
