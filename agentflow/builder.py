@@ -25,6 +25,7 @@ from agentflow.metrics import MetricsLogger
 from agentflow.rollout import BusyTracker, EnvPool, EnvTimeouts, Rollouts
 from agentflow.store import Journal, TrajectoryStore
 from agentflow.threads import use_daemon_threads
+from agentflow.tree import TreeSpec
 from agentflow.types import EnvProvider, InferenceEngine
 from envs.tasks import DataMixture, DataSource
 from trainer.registry import FULL_VOCAB_ESTIMATORS
@@ -205,6 +206,22 @@ async def _trainer_engine_pool(
     return trainer, engine, pool, None
 
 
+def tree_spec(cfg: JobConfig, mixture: DataMixture) -> TreeSpec | None:
+    """``rollout.tree`` as the rollouts take it; JobError when a data source's env cannot branch."""
+    t = cfg.rollout.tree
+    if not t.branches:
+        return None
+    from envs.branching import declared_branching
+
+    for source in mixture.sources:
+        mode = declared_branching(source.env_id)
+        if mode in (None, "none"):
+            raise JobError(
+                f"rollout.tree: env {source.env_id!r} cannot branch (branching={mode!r}; see envs/branching.py)"
+            )
+    return TreeSpec(t.branches, t.select, t.max_tokens)
+
+
 def reference_engine(cfg: JobConfig, policy_dir: Path) -> InferenceEngine:
     """The KL reference: the initial weights in an embedded engine of this process that no update reaches (an
     SGLang server or a Ray engine would receive the job's weight updates and stop being a reference)."""
@@ -244,7 +261,7 @@ async def build_job(
         r = cfg.rollout
         timeouts = EnvTimeouts(r.reset_timeout_s, r.step_timeout_s)
         rollouts = Rollouts(engine, tokenizer, pool, cfg.engine.max_len, r.max_concurrency, agent, r.episode_retries,
-                            timeouts)  # fmt: skip
+                            timeouts, tree_spec(cfg, mixture))  # fmt: skip
         metrics = MetricsLogger(run_dir, cfg.run.progress)
         stack.callback(metrics.close)
         job = Job(cfg, run_dir, policy_dir, trainer, engine, transport, pool, mixture, store, agent,

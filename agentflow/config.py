@@ -66,6 +66,15 @@ class DataConfig(Section):
     """Seed of the mixture's draws."""
 
 
+class TreeConfig(Section):
+    branches: int = Field(0, ge=0)
+    """Continuations per group started from the state after one of its roots' turns (0: no tree)."""
+    select: Literal["uniform", "last_first", "surprisal"] = "uniform"
+    """Where to branch: turns at random, the deepest first, or where the sampled tokens were least likely."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Generated tokens per group (roots and branches) past which no further branch starts (None: no bound)."""
+
+
 class RolloutConfig(Section):
     group_size: int = Field(4, ge=1)
     """Trajectories sampled per task (GRPO group)."""
@@ -85,6 +94,8 @@ class RolloutConfig(Section):
     step_timeout_s: float = Field(300.0, gt=0)
     """Seconds one env step may take (a tool call, or the final answer and its verifier); past it the episode ends
     ``error`` with the reason, its slot is freed and the env is dropped (a hung call cannot hold the job)."""
+    tree: TreeConfig = Field(default_factory=TreeConfig)
+    """Sparse reverse trees (agentflow/tree.py): branches from the roots' turns, for ``trainer.tree_credit``."""
     partial: Literal["continue", "recycle", "pin"] = "continue"
     """Partial rollouts at a weight update: in-flight generations ``continue`` under the new version (each token
     stamped with its own), or are aborted and ``recycle``d (run again from the same input under the new one), or
@@ -380,6 +391,20 @@ class JobConfig(Section):
             why = "engine.kv_on_update: a pinned episode keeps its own version's KV across updates by itself"
         if why:
             raise ValueError(f"rollout.partial: pin needs the embedded engine serving several versions; {why}")
+        return self
+
+    @model_validator(mode="after")
+    def _tree_needs_our_loop(self) -> JobConfig:
+        if self.rollout.tree.branches and self.rollout.partial != "continue":
+            raise ValueError(
+                f"rollout.tree: branches run outside the agent's partial-rollout handling; rollout.partial "
+                f"{self.rollout.partial!r} applies to roots only (use continue)"
+            )
+        if self.rollout.tree.branches and self.agent.type != "whitebox":
+            raise ValueError(
+                f"rollout.tree: branches continue the white-box loop from a recorded turn; agent.type "
+                f"{self.agent.type!r} runs its own program"
+            )
         return self
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ from agentflow.resume import ResumeState
 from agentflow.rollout import first_error, outcomes, per_type_success
 from agentflow.store import TrajectoryStore
 from agentflow.structured import ConstraintMismatch, grammars_for, segment_vocab_masks
+from agentflow.tree import turn_nodes
 from agentflow.types import Group, InferenceEngine, SamplingParams, Segment
 from trainer.types import Sample, TrainerGroup
 from transfer_mesh.transport import WeightTransport
@@ -212,6 +213,7 @@ def to_samples(groups: list[Group], drop_uniform: bool = False, model_dir: str |
                 turns = [turn for turn in t.turns if turn.segment == i]
                 sample.turn_spans = [(turn.span[0], turn.span[1]) for turn in turns]
                 sample.turn_rewards = [turn.reward for turn in turns]
+                sample.turn_nodes = turn_nodes(t, [turn.index for turn in turns])
                 if sample.turn_rewards and i == trained[-1]:
                     sample.turn_rewards[-1] = reward  # the episode's reward belongs to its last turn
                 out.append(sample)

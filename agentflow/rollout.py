@@ -12,14 +12,15 @@ import math
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import envs
 from agentflow.agents import BaseAgent, Episode, WhiteBoxAgent
 from agentflow.chat import ChatTokenizer
-from agentflow.episode import EpisodeSpec
+from agentflow.episode import EpisodeSpec, run_branch
 from agentflow.store import TrajectoryStore
+from agentflow.tree import TreeSpec, branch_points
 from agentflow.types import EnvProvider, Group, InferenceEngine, SamplingParams, SupervisedEngine, Trajectory
 from envs.tasks import DataMixture, Draw
 
@@ -177,6 +178,7 @@ class Rollouts:
         agent: BaseAgent | None = None,
         retries: int = 2,
         timeouts: EnvTimeouts | None = None,
+        tree: TreeSpec | None = None,
     ) -> None:
         self.engine, self.tokenizer, self.pool, self.max_len = engine, tokenizer, pool, max_len
         self.limit = EpisodeSlots(max_concurrency)
@@ -191,6 +193,9 @@ class Rollouts:
         self.timeouts = timeouts or EnvTimeouts()
         self.timed_out: list[str] = []
         """Why each timed-out episode ended (its env was discarded, not reused)."""
+        self.tree = tree
+        self.branches = 0
+        """Branches played (``rollout.tree``)."""
 
     async def episode(self, spec: EpisodeSpec, sampling: SamplingParams) -> Trajectory:
         for attempt in range(self.retries + 1):
@@ -246,8 +251,32 @@ class Rollouts:
             for i in range(n)
         ]
         version = self.engine.weight_version
-        trajs = await asyncio.gather(*(self.episode(s, sampling) for s in specs))
-        return Group(id=group_id, task_seed=draw.task_seed, trajectories=list(trajs), dispatch_version=version)
+        trajs = list(await asyncio.gather(*(self.episode(s, sampling) for s in specs)))
+        if self.tree is not None and self.tree.branches:
+            points = branch_points(trajs, self.tree, draw.task_seed)
+            trajs += await asyncio.gather(
+                *(self.branch(replace(specs[0], traj_id=f"{group_id}-b{j}"), root, k, sampling)
+                  for j, (root, k) in enumerate(points))
+            )  # fmt: skip
+        return Group(id=group_id, task_seed=draw.task_seed, trajectories=trajs, dispatch_version=version)
+
+    async def branch(self, spec: EpisodeSpec, root: Trajectory, at_turn: int, sampling: SamplingParams) -> Trajectory:
+        """One branch of ``root`` from its turn ``at_turn`` (white-box loop; an env of the pool)."""
+        async with self.limit:
+            env = self.pool.acquire(spec.env_id, spec.env_kwargs)
+            timed = TimedEnv(env, self.timeouts)
+            self.engine_busy.enter()
+            try:
+                traj = await run_branch(self.engine, self.tokenizer, timed, spec, sampling, self.max_len, root, at_turn)
+            finally:
+                self.engine_busy.exit()
+                if timed.timed_out is None:
+                    self.pool.release(env)
+                else:
+                    self.pool.discard(env)
+            self.episodes += 1
+            self.branches += 1
+        return traj
 
     async def feed(
         self, store: TrajectoryStore, group_size: int, sampling: SamplingParams, data: DataMixture, first: int = 0

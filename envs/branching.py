@@ -107,3 +107,16 @@ async def expert_actions(env: AgentEnv, expert: Callable[..., Any], seed: int) -
         if terminated or truncated:
             break
     return [a for a, _ in history]
+
+
+def declared_branching(env_id: str) -> str | None:
+    """The branching an env id's class declares, without building it (a Gymnasium id runs through the adapter)."""
+    from envs.registry import _load_entry_point, spec
+
+    s = spec(env_id)
+    if s.source != "agentflow":
+        from envs.gym_adapter import GymTextEnv
+
+        return GymTextEnv.branching
+    target = _load_entry_point(s.entry_point)
+    return getattr(target, "branching", None) if isinstance(target, type) else None

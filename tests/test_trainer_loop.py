@@ -36,6 +36,7 @@ def _samples() -> list[Sample]:
                 ref_logprobs=[-3.0] * 14,
                 turn_spans=[(5, 9), (11, 14)],
                 turn_rewards=[0.0, float(i % 2)],
+                turn_nodes=[f"g{i // 3}:0", f"s{i}:1"],
             )  # fmt: skip
         )
     return out
@@ -57,6 +58,7 @@ def _trainer(model_dir, **loss):
         {"kl_coef": 0.1, "kl_estimator": "k2"},
         {"entropy_coef": 0.01},
         {"turn_credit": True, "gamma": 0.9},
+        {"tree_credit": True},
         {"minibatches": 2, "recompute_old": True},
     ],
 )
@@ -65,7 +67,8 @@ def test_every_objective_trains(tiny_model, loss):
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     m = t.train_step(_samples())
     assert t.version == 1 and all(torch.isfinite(torch.tensor(v)) for v in m.values())
-    assert m["optimizer_steps"] == (2 if loss.get("turn_credit") or loss.get("minibatches") == 2 else 1)
+    phased = loss.get("turn_credit") or loss.get("tree_credit") or loss.get("minibatches") == 2
+    assert m["optimizer_steps"] == (2 if phased else 1)  # turn-level credit: one step per turn depth
     changed = any(not torch.equal(before[n], p) for n, p in t.model.named_parameters())
     assert changed
 

@@ -86,6 +86,9 @@ class LossFields(_Section):
     turn_credit: bool = False
     """Turn-level credit: per-turn returns, updates in reverse turn order (after RTPO). With ``ppo``: each turn's
     reward at its last model token (instead of the episode's at the last one), one update."""
+    tree_credit: bool = False
+    """With ``rollout.tree``: each turn's advantage from the returns of the continuations below its state and its
+    siblings' (``trainer/tree_credit.py``), updates in reverse turn order; group-relative losses only."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount of per-turn returns; with ``ppo``, GAE's discount per model token."""
     lam: float = Field(1.0, ge=0, le=1)
@@ -118,6 +121,11 @@ class LossFields(_Section):
             raise ValueError(f"kl_in_reward is REINFORCE++'s: it needs loss 'reinforce_pp', not {loss!r}")
         if self.kl_in_reward and self.kl_coef == 0:
             raise ValueError("kl_in_reward needs kl_coef > 0 (the weight of the KL in the reward)")
+        if self.tree_credit and loss in ("rloo", "reinforce_pp", "ppo", "sft"):
+            raise ValueError(f"tree_credit replaces the group baseline by tree values: a group-relative loss (grpo, "
+                             f"dapo, gspo, cispo), not {loss!r}")  # fmt: skip
+        if self.tree_credit and self.turn_credit:
+            raise ValueError("tree_credit and turn_credit are two turn-level credits: choose one")
 
 
 class TrainerConfig(OptimFields, LossFields):

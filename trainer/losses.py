@@ -179,7 +179,12 @@ def plan_advantages(samples: list[Sample], cfg: LossSettings) -> AdvantagePlan:
 def group_plan(
     samples: list[Sample], gids: list[str], cfg: LossSettings, baseline: Baseline = group_advantages
 ) -> AdvantagePlan:
-    """GRPO's advantages: ``baseline`` over each group's rewards (with turn credit: over each turn index's returns)."""
+    """GRPO's advantages: ``baseline`` over each group's rewards (with turn credit: over each turn index's returns;
+    with tree credit: from the tree's state values, :mod:`trainer.tree_credit`)."""
+    if cfg.tree_credit:
+        from trainer.tree_credit import tree_advantages, tree_phases
+
+        return AdvantagePlan(*tree_phases(samples, tree_advantages(samples, gids)))
     if cfg.turn_credit:
         return _turn_plan(samples, gids, cfg.gamma, baseline)
     adv = baseline([s.reward for s in samples], gids)

@@ -42,6 +42,9 @@ class Sample:
     """[start, end) of each model turn's tokens, for turn-level credit."""
     turn_rewards: list[float] = field(default_factory=list)
     """Reward of each turn (the last includes the final reward), for turn-level credit."""
+    turn_nodes: list[str] = field(default_factory=list)
+    """Tree rollouts: the id of the state each turn of ``turn_spans`` acted in (shared by every trajectory through
+    it), for ``tree_credit``."""
     extra: dict[str, Any] = field(default_factory=dict)
     vocab_masks: list[tuple[int, bytes]] = field(default_factory=list)
     """Tokens sampled from a restricted vocabulary (structured output): ``(position, bitmask)``, the bitmask as

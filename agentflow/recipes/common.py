@@ -148,6 +148,9 @@ def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
         "replay": replay_summary(job, result),
         "engine_pool": engine_pool_summary(job, result),
         "kv_cache": kv_cache_summary(job),
+        "tree": {**job.cfg.rollout.tree.model_dump(), "branches_played": job.rollouts.branches}
+        if job.cfg.rollout.tree.branches
+        else None,
     }
 
 

@@ -1,0 +1,91 @@
+"""Sparse reverse trees in rollout (``rollout.tree``): after a group's roots, branches from chosen turns.
+
+A group's roots are played from the task's initial state as usual; then up to ``branches`` continuations start
+from the state after one of a root's turns (:func:`agentflow.episode.run_branch`: the env brought back as it
+declares, the root's prefix served from the engine's prefix cache). Where to branch:
+
+- ``uniform``: turns drawn at random (seeded by the task) over every root turn after the first;
+- ``last_first``: the deepest turns first (a decision near the end is credited most directly by its continuations);
+- ``surprisal``: the turns whose sampled tokens were least likely under the policy (mean ``-log p``, an estimate of
+  the entropy there): where the policy was least sure of its action.
+
+``max_tokens`` bounds the group's generated tokens: a branch is skipped when the root's tokens after its branch
+point (the estimate of what it will generate) would take the group past the budget.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from agentflow.types import Trajectory
+
+SELECT = ("uniform", "last_first", "surprisal")
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    branches: int
+    select: str = "uniform"
+    max_tokens: int | None = None
+
+
+def model_tokens(traj: Trajectory) -> int:
+    return sum(sum(seg.loss_mask) for seg in traj.segments)
+
+
+def _after(root: Trajectory, k: int) -> int:
+    """Model tokens the root generated from its turn ``k`` on."""
+    return sum(b - a for a, b in (t.span for t in root.turns[k:]))
+
+
+def _surprisal(root: Trajectory, k: int) -> float:
+    seg = root.segments[0]
+    a, b = root.turns[k].span
+    lps = [lp for lp, m in zip(seg.logprobs[a:b], seg.loss_mask[a:b], strict=True) if m]
+    return -sum(lps) / len(lps) if lps else 0.0
+
+
+def branch_points(roots: list[Trajectory], spec: TreeSpec, seed: int) -> list[tuple[Trajectory, int]]:
+    """Which ``(root, turn)`` pairs to branch from, at most ``spec.branches``, within ``spec.max_tokens``."""
+    if spec.select not in SELECT:
+        raise ValueError(f"rollout.tree.select must be one of {SELECT}, got {spec.select!r}")
+    cands = [
+        (r, k)
+        for r in roots
+        if r.status in ("ok", "truncated") and len(r.segments) == 1
+        for k in range(1, len(r.turns))
+    ]
+    if spec.select == "uniform":
+        random.Random(seed).shuffle(cands)
+    elif spec.select == "last_first":
+        cands.sort(key=lambda rk: -rk[1])  # stable: roots in order within a depth
+    else:
+        cands.sort(key=lambda rk: -_surprisal(*rk))
+    used = sum(model_tokens(r) for r in roots)
+    picked: list[tuple[Trajectory, int]] = []
+    for root, k in cands:
+        if len(picked) == spec.branches:
+            break
+        cost = _after(root, k)
+        if spec.max_tokens is not None and used + cost > spec.max_tokens:
+            continue
+        picked.append((root, k))
+        used += cost
+    return picked
+
+
+def turn_nodes(traj: Trajectory, turn_indices: list[int]) -> list[str]:
+    """The state node each turn acted in (:mod:`trainer.tree_credit`): the group's initial state for turn 0, the
+    root's state after its turn ``j - 1`` for a branch's shared turns and its branch point, else the trajectory's
+    own."""
+    parent, at = traj.info.get("branch_of"), traj.info.get("branch_turn")
+    out = []
+    for j in turn_indices:
+        if j == 0:
+            out.append(f"{traj.group_id}:0")
+        elif parent is not None and at is not None and j <= int(at):
+            out.append(f"{parent}:{j}")
+        else:
+            out.append(f"{traj.id}:{j}")
+    return out
