@@ -79,6 +79,11 @@ How each departs from its paper:
 * **Turn-level credit** (after RTPO): per-turn returns ``G_k = sum_{j >= k} gamma^(j-k) r_j`` normalised within the
   group at each turn index; the trainer updates turn by turn in reverse order (last turn first), one optimizer step
   per turn index. Our departure: turns are aligned by index across a group's trajectories, not by state.
+* **Tree credit** (``tree_credit``, after RTPO's sparse reverse trees and AT2PO's per-turn values; with
+  ``rollout.tree``): turns are aligned by *state*. A state's value is the mean return of the trajectories through
+  it (roots and the branches started from it); a turn's advantage is ``(V(next) - V(root)) + (V(next) - V(here))``
+  over the group's return std, the global-plus-local form of TreeRL rather than either paper's; updates run in
+  reverse turn order, one optimizer step per turn depth, as for turn credit. ``trainer/tree_credit.py`` details it.
 * Metric ``is_approx_k3_kl``: the k3 estimate of KL(behaviour || old), ``mean(r - 1 - log r)`` over model tokens.
 """
 
