@@ -133,7 +133,8 @@ async def _every_steps(job: Job, result: LoopResult, evaluate: Evaluate | None) 
         result.eval_s += eval_s
         result.evals.append({"step": result.steps, **extra["eval"], "rl_s": rl_s, "eval_s": eval_s,
                              "trained_trajectories": len(result.trained_ids),
-                             "generated_trajectories": job.store.accepted})  # fmt: skip
+                             "generated_trajectories": job.store.accepted,
+                             "generated_tokens": job.store.generated_tokens})  # fmt: skip
     return extra
 
 

@@ -194,6 +194,8 @@ class TrajectoryStore:
         self.gate_closures = 0  # times dispatch was stopped for a batch (sync mode only; async never closes it)
         self.failed_groups = 0
         self.accepted = 0
+        self.generated_tokens = 0
+        """Model tokens of the accepted trajectories (a branch counts only what it generated itself)."""
         self.finished_len = _Lengths()  # every accepted trajectory, trained, dropped or pending
         self.trained_len = _Lengths()
         self.dropped_len = _Lengths()
@@ -259,6 +261,7 @@ class TrajectoryStore:
         # no await between journaling and making it collectable: a cancelled feeder cannot strand a journaled group
         self._finish(self._live[group.id], group)
         self.accepted += len(group.trajectories)
+        self.generated_tokens += sum(t.num_model_tokens() for t in group.trajectories)
         if self.scheduler is not None:
             self.scheduler.on_accept()
         async with self._cond:

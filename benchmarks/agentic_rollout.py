@@ -6,8 +6,10 @@ cached warm-up, with every ``sh`` call also waiting a lognormal time (median 0.3
 policy on the same task draws; only the rollout settings differ:
 
 - ``sync``: ``run.mode=sync`` with today's rollout settings (the reference for the async speed-up);
-- ``fifo+flush``: async as it ships (FIFO admission, the prefix cache flushed at every weight update, partial
-  rollouts continued under the new version);
+- ``lru+flush``: async with plain LRU eviction of cached contexts (``engine.kv_paused_aware=false``), the prefix
+  cache flushed at every weight update, FIFO admission, partial rollouts continued under the new version;
+- ``fifo+flush``: the same as it ships: paused contexts protected (ended and expired entries evicted first, a
+  shared system prompt copied rather than cut);
 - ``keep`` / ``recompute``: ``engine.kv_on_update`` keep or recompute;
 - ``pin``: ``rollout.partial=pin`` (one weight version per trajectory);
 - ``keep+resumed_first+spill``: keep, resumed turns admitted first, displaced entries spilled to a host tier.
@@ -47,6 +49,7 @@ from envs.trail import TrailEnv
 CONFIG = "configs/agentic.yaml"
 POLICIES: dict[str, list[str]] = {
     "sync": ["run.mode=sync"],
+    "lru+flush": ["engine.kv_paused_aware=false"],
     "fifo+flush": [],
     "keep": ["engine.kv_on_update=keep"],
     "recompute": ["engine.kv_on_update=recompute"],
@@ -145,13 +148,17 @@ def measure(s: dict[str, Any], run_dir: Path, job_s: float) -> dict[str, Any]:
 
 
 def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    base = results.get("fifo+flush")
+    base = results.get("lru+flush") or results.get("fifo+flush")
     out: dict[str, Any] = {"workload": f"{CONFIG} on bench/SlowTrail-v0 (tool latency median {args.median_s} s)"}
     out["policies"] = results
-    if base and "sync" in results:
-        out["async_over_sync"] = base["trained_samples_per_s"] / results["sync"]["trained_samples_per_s"]
+    if "sync" in results:
+        out["async_over_sync"] = {
+            n: r["trained_samples_per_s"] / results["sync"]["trained_samples_per_s"]
+            for n, r in results.items()
+            if n != "sync"
+        }
     if base:
-        out["vs_fifo_flush"] = {
+        out["vs_baseline"] = {
             name: {
                 "samples_per_s": r["trained_samples_per_s"] / base["trained_samples_per_s"],
                 "episode_p99": r["episode_s_p99"] / base["episode_s_p99"],

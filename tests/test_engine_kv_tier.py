@@ -118,3 +118,14 @@ def test_a_shared_system_prompt_is_copied_not_cut_from_a_paused_context(qwen_dir
         )
         resumed = eng.generate_sync(a + ra.output_ids + [3], SP)  # A's context survived B
         assert resumed.cached_tokens == len(a) + 2
+
+
+def test_plain_lru_cuts_the_paused_context(qwen_dir) -> None:
+    """``paused_aware=False``: the sibling's shared-prefix hit takes the paused entry's slot, as plain LRU does."""
+    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128, paused_aware=False) as eng:
+        system = prompt(10, seed=7)
+        a = system + prompt(30, seed=1)
+        ra = eng.generate_sync(a, SP)
+        eng.generate_sync(system + prompt(15, seed=2), SP)
+        assert eng.stats()["prefix_copies"] == 0
+        assert eng.generate_sync(a + ra.output_ids + [3], SP).cached_tokens == 10  # only the system prompt is left

@@ -67,7 +67,9 @@ class EmbeddedEngine(DecodeLoop):
     update does to it (module docstring), ``kv_max_age`` how many versions old kept KV may be (None: no bound).
     ``kv_spill_bytes`` > 0 keeps live entries displaced from their slots in a second tier of that size;
     ``kv_ttl_s`` fixes how long an idle entry counts as live (None: learned from measured resume gaps);
-    ``admission="resumed_first"`` admits queued requests that continue a cached context ahead of the others
+    ``paused_aware`` protects paused contexts (ended and expired entries evicted first, a shared prefix copied
+    rather than cut; False: plain LRU); ``admission="resumed_first"`` admits queued requests that continue a cached
+    context ahead of the others
     (:mod:`agentflow.engine.prefix_cache`, :mod:`agentflow.engine.kv_tier`).
     """
 
@@ -86,6 +88,7 @@ class EmbeddedEngine(DecodeLoop):
         admission: str = "fifo",
         kv_ttl_s: float | None = None,
         kv_spill_bytes: int = 0,
+        paused_aware: bool = True,
     ) -> None:
         if admission not in ADMISSION:
             raise ValueError(f"admission must be one of {ADMISSION}, got {admission!r}")
@@ -106,6 +109,7 @@ class EmbeddedEngine(DecodeLoop):
         """Oldest weight version whose KV an idle slot's entry holds."""
         self._held = HeldVersions(1)
         self.admission = admission
+        self.paused_aware = paused_aware
         self._released_at: dict[int, float] = {}
         self._ended: set[int] = set()
         """Idle slots whose entry belongs to an episode that ended (:meth:`forget_prefix`): evicted first."""

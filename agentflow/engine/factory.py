@@ -27,6 +27,7 @@ def make_engine(cfg: EngineConfig, model_dir: str | Path, seed: int = 0) -> Infe
             admission=cfg.admission,
             kv_ttl_s=cfg.kv_ttl_s,
             kv_spill_bytes=cfg.kv_spill_bytes,
+            paused_aware=cfg.kv_paused_aware,
         )
     if cfg.type == "sglang":
         from agentflow.engine.sglang_client import SGLangEngine

@@ -43,6 +43,7 @@ class PrefixSlots:
     kv_on_update: str
     kv_max_age: int | None
     admission: str
+    paused_aware: bool
     _version: int
     _waiting: deque[Request]
     _idle: OrderedDict[int, list[int]]
@@ -107,7 +108,7 @@ class PrefixSlots:
             restored = self._spill.take(seq, want if self._multi_version() else None, max(MIN_PREFIX_HIT, hit + 1))
             if restored is not None:
                 slot, resumes = None, restored[1] >= len(restored[0].ids)
-        if slot is not None and not resumes and self._live(slot):
+        if slot is not None and not resumes and self.paused_aware and self._live(slot):
             slot = self._share_prefix(slot, hit)  # only a shared prefix (a system prompt): keep the paused context
         if slot is None:
             slot = self._free_slot()
@@ -187,14 +188,15 @@ class PrefixSlots:
             return empty
         t, ttl = now(), self._gaps.ttl_s()
         self._stats["evicted_expired_spill"] += self._spill.expire(t, ttl)
-        victim = next((s for s in self._idle if s in self._ended), None)
-        if victim is not None:
-            self._stats["evicted_ended"] += 1
-            return victim
-        victim = next((s for s in self._idle if t - self._released_at.get(s, t) > ttl), None)
-        if victim is not None:
-            self._stats["evicted_expired"] += 1
-            return victim
+        if self.paused_aware:
+            ended = next((s for s in self._idle if s in self._ended), None)
+            if ended is not None:
+                self._stats["evicted_ended"] += 1
+                return ended
+            expired = next((s for s in self._idle if t - self._released_at.get(s, t) > ttl), None)
+            if expired is not None:
+                self._stats["evicted_expired"] += 1
+                return expired
         victim = next(iter(self._idle))
         self._stats["evicted_live"] += 1
         if self._spill.max_bytes and victim not in self._stale:

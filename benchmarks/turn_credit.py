@@ -1,0 +1,153 @@
+"""Trajectory-level GRPO vs per-turn credit vs tree credit, at an equal budget of generated tokens.
+
+Every method starts from the same warmed-up policy and trains the same number of steps; held-out success
+(``--eval-episodes``) is measured every ``--eval-every`` steps with the model tokens generated so far. Methods:
+
+- ``grpo``: ``rollout.group_size`` roots per group, trajectory-level advantages;
+- ``turn``: the same groups, ``trainer.turn_credit`` (per-turn returns by turn index, reverse-order updates);
+- ``tree``: half the roots per group and as many branches from their turns (``rollout.tree``, deepest first),
+  ``trainer.tree_credit`` (per-turn advantages from the tree's state values, reverse-order updates).
+
+A branch starts mid-episode, so the tree method generates fewer tokens per step; the comparison at equal tokens
+takes each run's success at the smallest final token count among the methods of a seed (linear between
+evaluations). Writes ``benchmarks/results/turn_credit.json`` (one section per workload) and ``turn_credit.png``.
+
+    .venv/bin/python benchmarks/turn_credit.py --workload agentic --seeds 0 1 2
+    .venv/bin/python benchmarks/turn_credit.py --workload demo
+    .venv/bin/python benchmarks/turn_credit.py --quick            # a tiny random model, a few steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import _path  # noqa: F401  (must come before the project's imports: see _path.py)
+from async_vs_sync import TINY
+
+from agentflow.config import load_config
+from agentflow.model_init import init_model
+from agentflow.recipes.rl import run_job
+
+CONFIGS = {"demo": "configs/demo.yaml", "agentic": "configs/agentic.yaml"}
+
+
+def methods(group_size: int) -> dict[str, list[str]]:
+    half = max(1, group_size // 2)
+    return {
+        "grpo": [],
+        "turn": ["trainer.turn_credit=true"],
+        "tree": [
+            f"rollout.group_size={half}",
+            f"rollout.tree.branches={group_size - half}",
+            "rollout.tree.select=last_first",
+            "trainer.tree_credit=true",
+        ],  # fmt: skip
+    }
+
+
+def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None) -> dict[str, Any]:
+    base = load_config(CONFIGS[args.workload])
+    run_dir = Path(args.runs) / f"turn_credit-{args.workload}-{method}-s{seed}"
+    over = [f"run.seed={seed}", f"data.seed={seed}", f"run.dir={run_dir}", f"run.steps={args.steps}",
+            "run.progress=false", "run.overwrite=true", f"eval.every_steps={args.eval_every}",
+            f"eval.episodes={args.eval_episodes}", *methods(base.rollout.group_size)[method]]  # fmt: skip
+    if model is not None:  # --quick
+        over += [
+            f"model.path={model}",
+            "sft.enabled=false",
+            "store.batch_groups=2",
+            "trainer.drop_uniform_groups=false",
+        ]
+    s = run_job(load_config(CONFIGS[args.workload], over), log=lambda *_: None)
+    evals = [{"step": 0, "success": s["success_before_rl"], "generated_tokens": 0, "rl_s": 0.0}]
+    evals += [{k: e[k] for k in ("step", "success", "generated_tokens", "rl_s")} for e in s["evals"]]
+    return {"success_before_rl": s["success_before_rl"], "success_after_rl": s["success_after_rl"],
+            "rl_wall_s": s["rl_wall_s"], "evals": evals, "tree": s.get("tree")}  # fmt: skip
+
+
+def at_tokens(evals: list[dict[str, Any]], tokens: float) -> float:
+    """Held-out success at ``tokens`` generated tokens, linear between evaluations."""
+    for a, b in zip(evals, evals[1:], strict=False):
+        if a["generated_tokens"] <= tokens <= b["generated_tokens"]:
+            span = b["generated_tokens"] - a["generated_tokens"]
+            w = (tokens - a["generated_tokens"]) / span if span else 1.0
+            return a["success"] + w * (b["success"] - a["success"])
+    return evals[-1]["success"]
+
+
+def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    seeds = sorted(set.intersection(*(set(r) for r in runs.values())))
+    out: dict[str, Any] = {"seeds": seeds, "methods": {}}
+    for m, by_seed in runs.items():
+        out["methods"][m] = {"final_success_mean": statistics.fmean(by_seed[s]["success_after_rl"] for s in seeds)}
+    for s in seeds:
+        equal = min(runs[m][s]["evals"][-1]["generated_tokens"] for m in runs)
+        for m in runs:
+            runs[m][s]["success_at_equal_tokens"] = at_tokens(runs[m][s]["evals"], equal)
+    for m in runs:
+        out["methods"][m]["success_at_equal_tokens_mean"] = statistics.fmean(
+            runs[m][s]["success_at_equal_tokens"] for s in seeds
+        )
+    out["runs"] = runs
+    return out
+
+
+def plot(table: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(table), figsize=(6 * len(table), 4), squeeze=False)
+    for ax, (workload, t) in zip(axes[0], table.items(), strict=True):
+        for m, by_seed in t["runs"].items():
+            for s, r in by_seed.items():
+                xs = [e["generated_tokens"] for e in r["evals"]]
+                ax.plot(xs, [e["success"] for e in r["evals"]], marker=".", label=f"{m} s{s}")
+        ax.set_xlabel("generated model tokens")
+        ax.set_ylabel("held-out success")
+        ax.set_title(workload)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", choices=list(CONFIGS), default="agentic")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-episodes", type=int, default=100)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--runs", default="runs")
+    args = ap.parse_args()
+    if args.quick:
+        args.seeds, args.steps, args.eval_every, args.eval_episodes = [0], 2, 1, 4
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("turn_credit_quick.json" if args.quick else "turn_credit.json")
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    runs: dict[str, dict[int, dict[str, Any]]] = {m: {} for m in methods(8)}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = init_model(Path(tmp) / "model", TINY, env_ids=["agentflow/Calc-v0"]) if args.quick else None
+        if args.quick:
+            args.runs = str(Path(tmp) / "runs")
+        for seed in args.seeds:
+            for m in runs:  # interleaved so machine noise hits every method alike
+                runs[m][seed] = run_one(args, m, seed, model)
+                table[args.workload] = summarize({k: v for k, v in runs.items() if v})
+                path.write_text(json.dumps(table, indent=2, default=str))
+    plot(table, path.with_suffix(".png"))
+    print(json.dumps({w: t["methods"] for w, t in table.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
