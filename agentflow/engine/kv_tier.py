@@ -115,6 +115,10 @@ class SpillTier:
             return None
         return self._remove(best), hit
 
+    def contains_prefix_of(self, seq: list[int], min_len: int) -> bool:
+        """Whether some entry (of ``min_len`` tokens at least) is a prefix of ``seq``."""
+        return any(len(e.ids) >= min_len and seq[: len(e.ids)] == e.ids for e in self._entries.values())
+
     def expire(self, now: float, ttl_s: float) -> int:
         """Drop entries idle past ``ttl_s``; returns how many."""
         old = [k for k, e in self._entries.items() if now - e.released_at > ttl_s]

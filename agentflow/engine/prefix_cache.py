@@ -71,13 +71,20 @@ class PrefixSlots:
             for i, req in enumerate(self._waiting):
                 if i >= RESUMED_SCAN:
                     break
-                seq = req.prompt + req.output
-                if any(ids and common_prefix(ids, seq) >= MIN_PREFIX_HIT for ids in self._idle.values()):
+                if self._resumes(req.prompt + req.output):
                     del self._waiting[i]
                     if i:
                         self._stats["resumed_ahead"] += 1
                     return req
         return self._waiting.popleft()
+
+    def _resumes(self, seq: list[int]) -> bool:
+        """Whether ``seq`` continues a whole cached context (a paused episode's next turn), in a slot or spilled;
+        sharing a system prompt with an entry is not enough."""
+        for ids in self._idle.values():
+            if len(ids) >= MIN_PREFIX_HIT and seq[: len(ids)] == ids:
+                return True
+        return self._spill.contains_prefix_of(seq, MIN_PREFIX_HIT)
 
     def _slot_hit(self, seq: list[int], want: int) -> tuple[int | None, int]:
         best, hit = None, 0
