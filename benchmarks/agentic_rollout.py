@@ -137,6 +137,7 @@ def measure(s: dict[str, Any], run_dir: Path, job_s: float) -> dict[str, Any]:
         "k3_gap_median": statistics.median(k3) if k3 else None,
         "k3_gap_max": max(k3) if k3 else None,
         "mixed_version_trajectories": sum(t.min_version() != t.max_version() for t in trajs),
+        "held_weights_bytes": kv.get("held_weights_bytes"),
         "trajectories_journaled": len(trajs),
         "success_before_rl": s["success_before_rl"],
         "success_after_rl": s["success_after_rl"],

@@ -165,7 +165,10 @@ def kv_cache_summary(job: Job) -> dict[str, Any]:
         out.update({k: int(v) for k, v in counters.items()})
         prompt_tokens = out["prefill_tokens"] + out["prefix_tokens_reused"]  # each prompt token: computed or reused
         out["reused_over_prompt_tokens"] = out["prefix_tokens_reused"] / prompt_tokens if prompt_tokens else 0.0
-        out["kv_ttl_s"] = job.engine.stats().get("kv_ttl_s")  # type: ignore[attr-defined]
+        stats = job.engine.stats()  # type: ignore[attr-defined]
+        out["kv_ttl_s"] = stats.get("kv_ttl_s")
+        out["versions_served"] = stats.get("versions_served")  # rollout.partial pin: the versions held at the end
+        out["held_weights_bytes"] = stats.get("held_weights_bytes")
     return out
 
 
