@@ -20,7 +20,7 @@ gap (``train/is_approx_k3_kl``, median over steps), mixed-version trajectories, 
 Writes ``benchmarks/results/agentic_rollout.json`` and ``.png``.
 
     .venv/bin/python benchmarks/agentic_rollout.py                 # 30 steps per policy, 100 held-out episodes
-    .venv/bin/python benchmarks/agentic_rollout.py --only keep pin  # some policies (merged into an existing json)
+    .venv/bin/python benchmarks/agentic_rollout.py --only keep pin  # more runs of some policies (medians)
 """
 
 from __future__ import annotations
@@ -204,21 +204,38 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", choices=list(POLICIES), default=None)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--runs", default="runs/agentic_rollout", help="where the policies' run directories go")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per policy (medians reported)")
+    ap.add_argument("--fresh", action="store_true", help="drop the runs already in the json")
     args = ap.parse_args()
     envs.register("bench/SlowTrail-v0", SlowTrail, max_turns=20)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "agentic_rollout.json"
-    results: dict[str, dict[str, Any]] = {}
-    if args.only and path.is_file():  # a partial rerun keeps the other policies' rows
-        results = json.loads(path.read_text())["policies"]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    if path.is_file() and not args.fresh:  # a rerun adds repeats to the runs already measured
+        for name, row in json.loads(path.read_text())["policies"].items():
+            runs[name] = row.get("runs", [row])
     model = policy_model()
-    for name in args.only or list(POLICIES):
-        results[name] = run(name, model, Path(args.runs), args)
-        table = summarize({n: results[n] for n in POLICIES if n in results}, args)
-        path.write_text(json.dumps(table, indent=2))  # after every policy: an interrupted run keeps what it measured
-        print(name, json.dumps({k: v for k, v in results[name].items() if k != "kv_cache"}), flush=True)
+    for _ in range(args.repeats):
+        for name in args.only or list(POLICIES):  # interleaved so machine noise hits every policy alike
+            r = run(name, model, Path(args.runs), args)
+            runs.setdefault(name, []).append(r)
+            table = summarize({n: median_row(runs[n]) for n in POLICIES if n in runs}, args)
+            path.write_text(json.dumps(table, indent=2))  # after every run: an interrupted benchmark keeps them
+            print(name, json.dumps({k: v for k, v in r.items() if k != "kv_cache"}), flush=True)
     plot(table, out / "agentic_rollout.png")
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of every numeric key over a policy's repeats, with the repeats themselves under ``runs``."""
+    out: dict[str, Any] = {}
+    for key, value in rows[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            vals = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+            out[key] = statistics.median(vals) if vals else None
+    out["repeats"] = len(rows)
+    out["runs"] = rows
+    return out
 
 
 if __name__ == "__main__":
