@@ -255,6 +255,7 @@ KV_COUNTERS = (
     "evicted_ended",
     "evicted_expired",
     "evicted_live",
+    "evicted_live_cut",
     "kv_spilled",
     "kv_spill_dropped",
     "kv_restored",

@@ -159,6 +159,7 @@ class EmbeddedEngine(DecodeLoop):
             "evicted_ended": 0,
             "evicted_expired": 0,
             "evicted_live": 0,
+            "evicted_live_cut": 0,
             "evicted_expired_spill": 0,
             "kv_spilled": 0,
             "kv_spill_dropped": 0,

@@ -172,6 +172,7 @@ class PrefixSlots:
             dst = next((s for s in self._idle if s in self._ended or t - self._released_at.get(s, t) > ttl), None)
         if dst is None:
             self._stats["evicted_live"] += 1
+            self._stats["evicted_live_cut"] += 1
             if self._spill.max_bytes and src not in self._stale:
                 self._spill_out(src)
             return src
