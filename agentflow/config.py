@@ -155,11 +155,12 @@ class EngineConfig(Section):
     admission: Literal["fifo", "resumed_first"] = "fifo"
     """Embedded: queued requests start in arrival order, or ``resumed_first``: a paused episode's next turn (it
     continues a cached context) goes ahead of new episodes when slots are short."""
-    kv_paused_aware: bool = True
+    kv_paused_aware: bool = False
     """Embedded: protect paused episodes' cached contexts: when a slot is needed, entries of ended episodes go
     first, then entries idle past their time-to-live, then the least recently used; a request that shares only a
-    prefix with a live entry gets those positions copied into a free slot instead of cutting the entry. False:
-    plain least-recently-used eviction, and a shared-prefix hit takes the entry's slot."""
+    prefix with a live entry gets those positions copied into a free slot instead of cutting the entry (on the
+    long-horizon job: prefix tokens reused 0.79 -> 0.87 of prompt tokens; throughput not yet settled, see
+    docs/results.md). False: plain least-recently-used eviction, and a shared-prefix hit takes the entry's slot."""
     kv_ttl_s: float | None = Field(None, gt=0)
     """Embedded: how long an idle cached entry counts as a paused episode's (kept ahead of older ones; spilled
     rather than dropped); None: learned, twice the p90 of measured gaps between a turn's end and the next turn."""
@@ -362,7 +363,7 @@ class JobConfig(Section):
                 "servers can flush or keep their radix cache (use flush or keep)"
             )
         embedded_only = {"admission": e.admission != "fifo", "kv_ttl_s": e.kv_ttl_s is not None,
-                         "kv_spill_bytes": e.kv_spill_bytes > 0, "kv_paused_aware": not e.kv_paused_aware}  # fmt: skip
+                         "kv_spill_bytes": e.kv_spill_bytes > 0, "kv_paused_aware": e.kv_paused_aware}  # fmt: skip
         set_keys = [k for k, v in embedded_only.items() if v]
         if e.type == "sglang" and set_keys:
             raise ValueError(

@@ -6,10 +6,10 @@ cached warm-up, with every ``sh`` call also waiting a lognormal time (median 0.3
 policy on the same task draws; only the rollout settings differ:
 
 - ``sync``: ``run.mode=sync`` with today's rollout settings (the reference for the async speed-up);
-- ``lru+flush``: async with plain LRU eviction of cached contexts (``engine.kv_paused_aware=false``), the prefix
-  cache flushed at every weight update, FIFO admission, partial rollouts continued under the new version;
-- ``fifo+flush``: the same as it ships: paused contexts protected (ended and expired entries evicted first, a
-  shared system prompt copied rather than cut);
+- ``lru+flush``: async as it ships: plain LRU eviction of cached contexts, the prefix cache flushed at every
+  weight update, FIFO admission, partial rollouts continued under the new version;
+- ``fifo+flush``: the same with paused contexts protected (``engine.kv_paused_aware``: ended and expired entries
+  evicted first, a shared system prompt copied rather than cut), as every policy below;
 - ``keep`` / ``recompute``: ``engine.kv_on_update`` keep or recompute;
 - ``pin``: ``rollout.partial=pin`` (one weight version per trajectory);
 - ``keep+resumed_first+spill``: keep, resumed turns admitted first, displaced entries spilled to a host tier.
@@ -47,14 +47,16 @@ from agentflow.store import Journal
 from envs.trail import TrailEnv
 
 CONFIG = "configs/agentic.yaml"
+AWARE = "engine.kv_paused_aware=true"
 POLICIES: dict[str, list[str]] = {
     "sync": ["run.mode=sync"],
-    "lru+flush": ["engine.kv_paused_aware=false"],
-    "fifo+flush": [],
-    "keep": ["engine.kv_on_update=keep"],
-    "recompute": ["engine.kv_on_update=recompute"],
-    "pin": ["rollout.partial=pin"],
+    "lru+flush": [],
+    "fifo+flush": [AWARE],
+    "keep": [AWARE, "engine.kv_on_update=keep"],
+    "recompute": [AWARE, "engine.kv_on_update=recompute"],
+    "pin": [AWARE, "rollout.partial=pin"],
     "keep+resumed_first+spill": [
+        AWARE,
         "engine.kv_on_update=keep",
         "engine.admission=resumed_first",
         f"engine.kv_spill_bytes={256 << 20}",

@@ -54,7 +54,7 @@ def test_a_branch_reads_the_roots_prefix_from_the_engines_cache(tiny_model) -> N
         spec = EpisodeSpec("root", "g", 5)
         root = asyncio.run(run_episode(Replay(tok, [_call("1+1"), _call("2+2"), _call("3+3")]), tok, env, spec,
                                        SamplingParams(), 512))  # fmt: skip
-        with EmbeddedEngine(tiny_model, max_slots=4, max_len=512) as engine:
+        with EmbeddedEngine(tiny_model, max_slots=4, max_len=512, paused_aware=True) as engine:
             engine.generate_sync(root.segments[0].token_ids, SamplingParams(max_new_tokens=1))  # the root's KV, cached
             before = engine.stats()
             sp = SamplingParams(temperature=1.0, max_new_tokens=24, seed=1)

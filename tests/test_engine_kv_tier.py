@@ -31,7 +31,9 @@ def _cached(eng: EmbeddedEngine) -> dict[int, list[int]]:
 
 
 def test_ended_entries_go_first_then_expired_then_live_ones_spill(qwen_dir) -> None:
-    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128, kv_ttl_s=0.3, kv_spill_bytes=1 << 20) as eng:
+    with EmbeddedEngine(
+        qwen_dir, max_slots=2, max_len=128, kv_ttl_s=0.3, kv_spill_bytes=1 << 20, paused_aware=True
+    ) as eng:
         a, b = prompt(20, seed=1), prompt(20, seed=2)
         eng.generate_sync(a, SP)
         rb = eng.generate_sync(b, SP)  # both slots hold an entry; a's is the least recently used
@@ -106,7 +108,7 @@ def test_resumed_turns_are_admitted_ahead_of_new_episodes(qwen_dir) -> None:
 
 
 def test_a_shared_system_prompt_is_copied_not_cut_from_a_paused_context(qwen_dir) -> None:
-    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128) as eng:
+    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128, paused_aware=True) as eng:
         system = prompt(10, seed=7)
         a = system + prompt(30, seed=1)
         ra = eng.generate_sync(a, SP)  # A pauses in its env with 42 tokens cached

@@ -166,7 +166,7 @@ def test_recompute_refreshes_idle_entries_and_on_admission(qwen_dir, tmp_path) -
         )
         eng.pause("in_place")  # no idle steps: the entry is still stale when the next turn arrives
         eng.update_weights(2, make_model_dir(tmp_path / "b", "qwen2", seed=4).state_dict())
-        assert eng.stats()["stale_slots"] == 2  # the first turn's entry and the second's (its prefix copied)
+        assert eng.stats()["stale_slots"] == 1  # the second request took the first one's slot (plain LRU)
         fut = eng.submit(ids + [1] + res.output_ids + [2], sp)
         eng.resume()
         again = fut.result(timeout=30)

@@ -98,7 +98,12 @@ def _spill_acted(summary: dict, run_dir: Path) -> None:
 
 CASES = {
     "engine.kv_spill_bytes=50000000": (
-        ["engine.kv_spill_bytes=50000000", "engine.admission=resumed_first", "engine.max_slots=2"],
+        [
+            "engine.kv_spill_bytes=50000000",
+            "engine.admission=resumed_first",
+            "engine.max_slots=2",
+            "engine.kv_paused_aware=true",
+        ],
         _spill_acted,
     ),
     "rollout.partial=pin": (["rollout.partial=pin"], _pin_acted),

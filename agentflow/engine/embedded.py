@@ -68,9 +68,9 @@ class EmbeddedEngine(DecodeLoop):
     ``kv_spill_bytes`` > 0 keeps live entries displaced from their slots in a second tier of that size;
     ``kv_ttl_s`` fixes how long an idle entry counts as live (None: learned from measured resume gaps);
     ``paused_aware`` protects paused contexts (ended and expired entries evicted first, a shared prefix copied
-    rather than cut; False: plain LRU); ``admission="resumed_first"`` admits queued requests that continue a cached
-    context ahead of the others
-    (:mod:`agentflow.engine.prefix_cache`, :mod:`agentflow.engine.kv_tier`).
+    rather than cut; False, the default: plain LRU); ``admission="resumed_first"`` admits queued requests that
+    continue a cached context ahead of the others (:mod:`agentflow.engine.prefix_cache`,
+    :mod:`agentflow.engine.kv_tier`).
     """
 
     canonical_forcing = True
@@ -88,7 +88,7 @@ class EmbeddedEngine(DecodeLoop):
         admission: str = "fifo",
         kv_ttl_s: float | None = None,
         kv_spill_bytes: int = 0,
-        paused_aware: bool = True,
+        paused_aware: bool = False,
     ) -> None:
         if admission not in ADMISSION:
             raise ValueError(f"admission must be one of {ADMISSION}, got {admission!r}")
