@@ -8,7 +8,7 @@ policy on the same task draws; only the rollout settings differ:
 - ``sync``: ``run.mode=sync`` with today's rollout settings (the reference for the async speed-up);
 - ``lru+flush``: async as it ships: plain LRU eviction of cached contexts, the prefix cache flushed at every
   weight update, FIFO admission, partial rollouts continued under the new version;
-- ``fifo+flush``: the same with paused contexts protected (``engine.kv_paused_aware``: ended and expired entries
+- ``aware+flush``: the same with paused contexts protected (``engine.kv_paused_aware``: ended and expired entries
   evicted first, a shared system prompt copied rather than cut), as every policy below;
 - ``keep`` / ``recompute``: ``engine.kv_on_update`` keep or recompute;
 - ``pin``: ``rollout.partial=pin`` (one weight version per trajectory);
@@ -51,7 +51,7 @@ AWARE = "engine.kv_paused_aware=true"
 POLICIES: dict[str, list[str]] = {
     "sync": ["run.mode=sync"],
     "lru+flush": [],
-    "fifo+flush": [AWARE],
+    "aware+flush": [AWARE],
     "keep": [AWARE, "engine.kv_on_update=keep"],
     "recompute": [AWARE, "engine.kv_on_update=recompute"],
     "pin": [AWARE, "rollout.partial=pin"],
@@ -151,7 +151,7 @@ def measure(s: dict[str, Any], run_dir: Path, job_s: float) -> dict[str, Any]:
 
 
 def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    base = results.get("lru+flush") or results.get("fifo+flush")
+    base = results.get("lru+flush")
     out: dict[str, Any] = {"workload": f"{CONFIG} on bench/SlowTrail-v0 (tool latency median {args.median_s} s)"}
     out["policies"] = results
     if "sync" in results:
