@@ -64,9 +64,12 @@ def nodes() -> Iterator[Nodes]:
         from ray.cluster_utils import Cluster
     except ImportError:
         require(False, "ray")
-    saved = {k: os.environ.get(k) for k in LOOPBACK}
+    saved = {k: os.environ.get(k) for k in [*LOOPBACK, "RAY_TMPDIR"]}
     os.environ.update(LOOPBACK)  # the nodes' processes inherit it
     temp = tempfile.mkdtemp(prefix="afrc", dir="/tmp")  # short: Ray's socket paths are limited to 107 bytes
+    # the test cluster writes its address file under $RAY_TMPDIR/ray (default /tmp/ray, absent on a fresh machine)
+    os.environ["RAY_TMPDIR"] = temp
+    os.makedirs(os.path.join(temp, "ray"), exist_ok=True)
     fast_health = {
         "health_check_period_ms": 500,
         "health_check_failure_threshold": 4,
