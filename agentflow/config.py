@@ -159,7 +159,7 @@ class EngineConfig(Section):
     """Embedded: protect paused episodes' cached contexts: when a slot is needed, entries of ended episodes go
     first, then entries idle past their time-to-live, then the least recently used; a request that shares only a
     prefix with a live entry gets those positions copied into a free slot instead of cutting the entry (on the
-    long-horizon job: prefix tokens reused 0.79 -> 0.87 of prompt tokens; throughput not yet settled, see
+    long-horizon job: prefix tokens reused 0.79 -> 0.87 of prompt tokens; throughput within noise, see
     docs/results.md). False: plain least-recently-used eviction, and a shared-prefix hit takes the entry's slot."""
     kv_ttl_s: float | None = Field(None, gt=0)
     """Embedded: how long an idle cached entry counts as a paused episode's (kept ahead of older ones; spilled
