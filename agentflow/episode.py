@@ -59,10 +59,17 @@ async def run_episode(
     """
     traj = Trajectory(id=spec.traj_id, task_id=f"{spec.split}:{spec.seed}", group_id=spec.group_id, env_id=spec.env_id)
     traj.data_source, traj.tags = spec.data_source, list(spec.tags)
+    play = _play(engine, tokenizer, env, spec, sampling, max_len, traj, context, recycle, unfinished_turn)
+    return await _guarded(traj, play)
+
+
+async def _guarded(traj: Trajectory, play: Any) -> Trajectory:
+    """Await ``play`` (which fills ``traj``); an exception from the env or engine keeps the tokens, says why and is
+    never scored. Times the episode."""
     t0 = time.perf_counter()
     try:
-        await _play(engine, tokenizer, env, spec, sampling, max_len, traj, context, recycle, unfinished_turn)
-    except Exception as e:  # the env or engine failed: keep the tokens, say why, never score it
+        await play
+    except Exception as e:
         traj.status, traj.reward = "error", None
         traj.error = f"{type(e).__name__}: {e}"
         traj.info["traceback"] = traceback.format_exc(limit=5)
@@ -97,30 +104,27 @@ async def run_branch(
     serves it), and the loop goes on from there. The shared prefix is the root's and is not trained again (loss mask
     0); ``info["branch_of"]``/``info["branch_turn"]`` say where the branch starts. Always returns a trajectory
     (``error`` with the reason when the env cannot be brought back)."""
-    from envs.branching import branch
-
     traj = Trajectory(id=spec.traj_id, task_id=root.task_id, group_id=spec.group_id, env_id=spec.env_id)
     traj.data_source, traj.tags = spec.data_source, list(spec.tags)
     traj.info.update(task_type=root.info.get("task_type"), split=spec.split, branch_of=root.id, branch_turn=at_turn)
-    t0 = time.perf_counter()
-    try:
-        if len(root.segments) != 1 or not 1 <= at_turn < len(root.turns):
-            raise ValueError(f"branch at turn {at_turn} of a {len(root.turns)}-turn, {len(root.segments)}-segment root")
-        shared = root.turns[:at_turn]
-        seg = Segment(kind="root")
-        seg.append_context(root.segments[0].token_ids[: root.turns[at_turn].span[0]])
-        traj.segments.append(seg)
-        traj.turns = [Turn(t.index, t.action, t.observation, t.reward, t.error, [], 0, t.span) for t in shared]
-        actions = [t.action for t in shared if t.action is not None]  # malformed turns never reached the env
-        await branch(env, spec.seed, {**spec.options, "split": spec.split}, actions)
-        obs = shared[-1].observation
-        await _turns(engine, tokenizer, env, sampling, max_len, traj, "truncate", False, unfinished_turn, obs, at_turn)
-    except Exception as e:  # as run_episode: keep what there is, say why, never score it
-        traj.status, traj.reward = "error", None
-        traj.error = f"{type(e).__name__}: {e}"
-        traj.info["traceback"] = traceback.format_exc(limit=5)
-    traj.timings["episode_s"] = time.perf_counter() - t0
-    return traj
+    return await _guarded(traj, _branch(engine, tokenizer, env, spec, sampling, max_len, root, at_turn, unfinished_turn,
+                                        traj))  # fmt: skip
+
+
+async def _branch(engine, tokenizer, env, spec, sampling, max_len, root, at_turn, unfinished, traj) -> None:
+    from envs.branching import branch
+
+    if len(root.segments) != 1 or not 1 <= at_turn < len(root.turns):
+        raise ValueError(f"branch at turn {at_turn} of a {len(root.turns)}-turn, {len(root.segments)}-segment root")
+    shared = root.turns[:at_turn]
+    seg = Segment(kind="root")
+    seg.append_context(root.segments[0].token_ids[: root.turns[at_turn].span[0]])
+    traj.segments.append(seg)
+    traj.turns = [Turn(t.index, t.action, t.observation, t.reward, t.error, [], 0, t.span) for t in shared]
+    actions = [t.action for t in shared if t.action is not None]  # malformed turns never reached the env
+    await branch(env, spec.seed, {**spec.options, "split": spec.split}, actions)
+    await _turns(engine, tokenizer, env, sampling, max_len, traj, "truncate", False, unfinished, shared[-1].observation,
+                 at_turn)  # fmt: skip
 
 
 async def _turns(

@@ -128,19 +128,11 @@ class DecodeLoop(PrefixSlots):
     _held: HeldVersions
     output_rules: OutputRules
 
-    def _pinned(self, req: Request) -> int:
-        """The weight version that serves ``req``: the one it names, else the newest."""
-        v = req.sampling.weight_version
-        return self._version if v is None else v
-
     def _model_of(self, version: int) -> DecoderModel:
         model = self.model if version == self._version else self._held.model_of(version)
         if model is None:
             raise VersionGone(f"weight version {version} is no longer served (held: {self._served()})")
         return model
-
-    def _multi_version(self) -> bool:
-        return self._held.keep > 1
 
     def _served(self) -> list[int]:
         return [*self._held.versions(), self._version]

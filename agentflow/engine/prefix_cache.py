@@ -18,6 +18,7 @@ import torch
 
 from agentflow.engine.kv_tier import ResumeGaps, Spilled, SpillTier, common_prefix, now
 from agentflow.engine.qwen2 import DecoderModel, KVCache
+from agentflow.engine.versions import HeldVersions
 
 if TYPE_CHECKING:
     from agentflow.engine.decode_loop import Request
@@ -54,13 +55,17 @@ class PrefixSlots:
     _slot_routes: dict[int, dict[int, list[list[int]]]]
     _gaps: ResumeGaps
     _spill: SpillTier
+    _held: HeldVersions
     _stats: dict[str, float]
 
     def _pinned(self, req: Request) -> int:
-        raise NotImplementedError
+        """The weight version that serves ``req``: the one it names, else the newest."""
+        v = req.sampling.weight_version
+        return self._version if v is None else v
 
     def _multi_version(self) -> bool:
-        raise NotImplementedError
+        """Whether several weight versions are served (``rollout.partial: pin``): KV is then per version."""
+        return self._held.keep > 1
 
     # ------------------------------------------------------------------------------------------ admission
 
