@@ -8,11 +8,16 @@ sync-mode gate), :meth:`agentflow.rollout.Rollouts.feed` (dispatch into the wind
 - **Episodes** are drawn from the run's journal (each keeps its turns, model tokens, environment seconds and
   reward together, so the long tail and its correlation with length survive). Each turn generates its share of the
   episode's model tokens on the episode's engine, then waits its share of the environment time.
-- **Engines** are processor-sharing servers (``engine.max_slots`` requests decode at once, the rest queue): ``n``
-  decoding requests progress at ``speed * curve(n) / n`` tokens/s each, where ``curve`` is the batched-decode
-  throughput curve measured by ``benchmarks/engine.py`` (normalised to 1 at one request) and ``speed`` is the
-  single-request rate, fitted so the simulated source run reproduces its measured trained samples/s
+- **Engines** are processor-sharing servers (``engine.max_slots`` requests at once, the rest queue): each of ``n``
+  active requests first prefills its uncached prompt tokens with ``1/n`` of the engine at ``prefill_ratio * speed``
+  tokens/s, then decodes; ``k`` decoding requests progress at ``speed * curve(k) / n`` tokens/s each, where
+  ``curve`` is the batched-decode throughput curve measured by ``benchmarks/engine.py`` (normalised to 1 at one
+  request), ``prefill_ratio`` that benchmark's prefill rate over its one-request decode rate, and ``speed`` the
+  single-request decode rate, fitted so the simulated source run reproduces its measured trained samples/s
   (:func:`calibrate`). A trajectory sticks to one engine; ``rollout.max_concurrency`` episodes per engine run at once.
+- **The prefix cache**: each turn's context, new tokens and generated tokens come from the journal's turn spans; a
+  resumed turn prefills only its new tokens unless a weight update dropped its cached context (``engine.kv_on_update``
+  ``flush``, or ``keep`` past ``kv_max_age``), then its whole context but the prompt every episode shares.
 - **The trainer** takes ``a + b * samples / trainer_gpus ** dp_exponent`` seconds per step (``a`` and ``b`` fitted
   to the run's ``train/train_s`` against ``train/samples``), then the weight sync its median ``sync/total_s``; new
   weights reach every engine when the sync ends.
@@ -20,8 +25,8 @@ sync-mode gate), :meth:`agentflow.rollout.Rollouts.feed` (dispatch into the wind
 - **Shared cores** (``cores``, one machine): engines, the trainer and tool calls' CPU (``env_cpu_s`` per env step)
   draw on a :class:`~agentflow.simulated.Cpu` that slows every part when more threads run than there are cores.
 
-Not modelled: prefill cost apart from what the fitted speed absorbs, memory bandwidth shared beyond the core
-count, engine failures, network limits of weight broadcast. ``async+replay`` runs the store's adaptive replay
+Not modelled: evictions of cached contexts when slots run short, memory bandwidth shared beyond the core count,
+engine failures, network limits of weight broadcast. ``async+replay`` runs the store's adaptive replay
 (:data:`REPLAY`); its samples/s counts fresh samples, and ``updates_per_s`` the optimizer steps.
 """
 
@@ -54,6 +59,9 @@ class Episode:
     model_tokens: int
     env_s: float
     reward: float
+    turn_tokens: list[tuple[int, int, int]] | None = None
+    """Per turn: (context tokens before it, of which new since the previous turn's end, tokens it generated); None
+    when the journal has no turn spans (then each turn generates an equal share and prefill is not modelled)."""
 
 
 @dataclass
@@ -77,6 +85,11 @@ class RunProfile:
     """Cores of the machine the run used (contention between its parts); None: no contention modelled."""
     env_cpu_s: float = 0.0
     """CPU seconds per env step, measured apart from the run (0 for an env that only waits)."""
+    prefill_ratio: float | None = None
+    """An engine's prefill tokens/s over its single-request decode tokens/s (``benchmarks/engine.py``'s resume
+    without cache); None: prefill is not modelled (the fitted decode rate absorbs it)."""
+    shared_prefix: int = 0
+    """Prompt tokens every episode of the run starts with (cached once, never prefilled again)."""
 
     @property
     def mode(self) -> str:
@@ -126,6 +139,8 @@ class SimResult:
     """Optimizer steps per second (with replay a step trains fewer fresh samples)."""
     replayed_share: float = 0.0
     """Share of the trained groups that were replays (``async+replay``)."""
+    prefix_reuse: float | None = None
+    """Prompt tokens found cached / prompt tokens (None: the journal has no turn spans)."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -135,7 +150,11 @@ class SimResult:
 
 
 def load_profile(
-    run_dir: str | Path, curve: dict[int, float] | None = None, cores: float | None = None, env_cpu_s: float = 0.0
+    run_dir: str | Path,
+    curve: dict[int, float] | None = None,
+    cores: float | None = None,
+    env_cpu_s: float = 0.0,
+    prefill_ratio: float | None = None,
 ) -> RunProfile:
     """Episodes, trainer and sync costs, and the measured throughput of the RL run in ``run_dir``."""
     run_dir = Path(run_dir)
@@ -143,7 +162,7 @@ def load_profile(
         if not (run_dir / name).is_file():
             raise PlanError(f"{run_dir} has no {name}: plan from a finished (or running) RL run's directory")
     cfg = load_config(run_dir / "config.yaml")
-    episodes = _episodes(run_dir / "journal.jsonl")
+    episodes, shared = _episodes(run_dir / "journal.jsonl")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows = [r for r in rows if "train/train_s" in r]
     if len(rows) < 2:
@@ -158,11 +177,14 @@ def load_profile(
         measured = s["trajectories_trained"] / max(s["rl_wall_s"], 1e-9)
     engines = cfg.ray.engines if cfg.ray.enabled else 1
     curve = curve or default_curve()
-    return RunProfile(run_dir, cfg, episodes, a, b, min(keep, 1.0), sync, measured, engines, curve, cores, env_cpu_s)
+    return RunProfile(run_dir, cfg, episodes, a, b, min(keep, 1.0), sync, measured, engines, curve, cores, env_cpu_s,
+                      prefill_ratio, shared)  # fmt: skip
 
 
-def _episodes(journal: Path) -> list[Episode]:
+def _episodes(journal: Path) -> tuple[list[Episode], int]:
+    """The run's finished episodes, and the prompt tokens every one of them starts with."""
     out = []
+    shared: list[int] | None = None
     with journal.open() as f:
         for line in f:
             if not line.strip():
@@ -170,13 +192,45 @@ def _episodes(journal: Path) -> list[Episode]:
             t = json.loads(line)
             if t.get("status") == "error":
                 continue
+            shared = _common_start(shared, t)
             tokens = sum(sum(s.get("loss_mask", [])) for s in t.get("segments", []))
             turns = max(len(t.get("turns", [])), 1)
             env_s = float(t.get("timings", {}).get("env_s", 0.0))
-            out.append(Episode(turns, max(tokens, 1), env_s, float(t.get("reward") or 0.0)))
+            reward = float(t.get("reward") or 0.0)
+            out.append(Episode(turns, max(tokens, 1), env_s, reward, _turn_tokens(t.get("turns", []))))
     if not out:
         raise PlanError(f"{journal} holds no finished episode")
-    return out
+    return out, len(shared or [])
+
+
+def _common_start(shared: list[int] | None, t: dict[str, Any]) -> list[int]:
+    """The longest common start of ``shared`` and this trajectory's first prompt."""
+    segments, turns = t.get("segments") or [{}], t.get("turns") or [{}]
+    prompt = segments[0].get("token_ids", [])[: (turns[0].get("span") or [0])[0]]
+    if shared is None:
+        return list(prompt)
+    n = 0
+    for a, b in zip(shared, prompt, strict=False):
+        if a != b:
+            break
+        n += 1
+    return shared[:n]
+
+
+def _turn_tokens(turns: list[dict[str, Any]]) -> list[tuple[int, int, int]] | None:
+    """(context, new, generated) tokens of each turn from its span in its segment; a turn that starts a new segment
+    (a compacted or branched context) has all of its context new."""
+    out: list[tuple[int, int, int]] = []
+    end, segment = 0, None
+    for turn in turns:
+        span = turn.get("span")
+        if not span or len(span) != 2:
+            return None
+        start, stop = int(span[0]), int(span[1])
+        new = start - end if turn.get("segment") == segment else start
+        out.append((start, max(new, 0), max(stop - start, 1)))
+        end, segment = stop, turn.get("segment")
+    return out or None
 
 
 def _fit_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
@@ -199,6 +253,18 @@ def default_curve(path: str | Path = "benchmarks/results/engine.json") -> dict[i
         raise PlanError(f"no engine throughput curve at {p}: run benchmarks/engine.py or pass one")
     tok_s = {int(k): float(v) for k, v in json.loads(p.read_text())["decode"]["embedded"].items()}
     return {n: v / tok_s[min(tok_s)] for n, v in sorted(tok_s.items())}
+
+
+def default_prefill_ratio(path: str | Path = "benchmarks/results/engine.json") -> float | None:
+    """The embedded engine's prefill rate over its single-request decode rate (None where the file lacks them)."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    d = json.loads(p.read_text())
+    resume, decode = d.get("prefix_cache") or {}, d.get("decode", {}).get("embedded", {})
+    if not resume.get("without_cache_s") or "1" not in decode:
+        return None
+    return resume["context_tokens"] / resume["without_cache_s"] / float(decode["1"])
 
 
 def curve_at(curve: dict[int, float], n: int) -> float:
@@ -297,7 +363,7 @@ def simulate(profile: RunProfile, sc: Scenario) -> SimResult:
 async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
     from agentflow.builder import Job, stale_steps
     from agentflow.controller import rl_loop
-    from agentflow.simulated import Cpu, SimEngine, SimMixture, SimRollouts, SimTrainer, SimTransport
+    from agentflow.simulated import Cpu, KvPolicy, SimEngine, SimMixture, SimRollouts, SimTrainer, SimTransport
 
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualLoop), "simulate() runs on a VirtualLoop"
@@ -310,13 +376,16 @@ async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
     cfg = load_config(profile.run_dir / "config.yaml", overrides)
     c = profile.curve
     cpu = Cpu(sc.cores)
-    engines = [SimEngine(lambda n: sc.speed * curve_at(c, n), sc.slots, cpu) for _ in range(sc.engines)]
+    prefill = sc.speed * profile.prefill_ratio if profile.prefill_ratio else None
+    engines = [SimEngine(lambda n: sc.speed * curve_at(c, n), sc.slots, cpu, prefill) for _ in range(sc.engines)]
     scale = profile.keep_frac / sc.trainer_gpus**sc.dp_exponent
     trainer = SimTrainer(lambda k: profile.train_a + profile.train_b * k * scale, cpu, sc.trainer_threads)
     store = TrajectoryStore(
         sc.batch_groups, stale_steps(cfg), None, cfg.store.collect, cfg.store.length_aware, cfg.store.replay
     )
-    rollouts = SimRollouts(profile.episodes, engines, sc.concurrency * sc.engines, sc.seed, cpu, sc.env_cpu_s)
+    e = cfg.engine
+    kv = KvPolicy(e.prefix_cache, (e.kv_max_age or 0) if e.kv_on_update == "keep" else 0, profile.shared_prefix)
+    rollouts = SimRollouts(profile.episodes, engines, sc.concurrency * sc.engines, sc.seed, cpu, sc.env_cpu_s, kv)
     clock = _StepClock()
     with tempfile.TemporaryDirectory() as tmp:
         job = Job(cfg, Path(tmp), Path(tmp), trainer, engines[0], SimTransport(engines, profile.sync_s), None,  # type: ignore[arg-type]
@@ -339,7 +408,13 @@ async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
         steady_samples_per_s=_steady(clock.ends, len(result.trained_ids), wall),
         updates_per_s=result.steps / wall,
         replayed_share=sum(result.replay_counts.values()) / max(result.steps * sc.batch_groups, 1),
+        prefix_reuse=_reuse(engines),
     )
+
+
+def _reuse(engines: list[Any]) -> float | None:
+    prompt = sum(e.prompt_tokens for e in engines)
+    return 1 - sum(e.prefilled for e in engines) / prompt if prompt else None
 
 
 def _steady(ends: list[float], trained: int, wall: float) -> float:
@@ -463,7 +538,8 @@ def run_plan(args: Any) -> int:
     try:
         curve = default_curve(args.curve) if args.curve else default_curve(_REPO / "benchmarks/results/engine.json")
         cores = None if args.cores is None else measure_effective_cores() if args.cores == "auto" else float(args.cores)
-        profile = load_profile(args.run_dir, curve, cores=cores, env_cpu_s=args.env_cpu_s)
+        engine_json = args.curve or _REPO / "benchmarks/results/engine.json"
+        profile = load_profile(args.run_dir, curve, cores, args.env_cpu_s, default_prefill_ratio(engine_json))
         if args.speed:
             speed = args.speed
         else:

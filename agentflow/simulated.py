@@ -12,6 +12,7 @@ import random
 import zlib
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from agentflow.rollout import EpisodeSlots, Rollouts
@@ -80,16 +81,23 @@ class Work:
 
 
 class SimEngine:
-    """Processor sharing: ``n`` decoding requests progress at ``rate(n) / n`` tokens/s each (times the CPU share);
-    at most ``slots`` decode, the rest queue in arrival order. A finished request answers with the weight version
-    the engine holds then. It wants one thread of the CPU while anything decodes."""
+    """Processor sharing of engine time: at most ``slots`` requests are active (the rest queue in arrival order) and
+    each of the ``n`` active ones gets ``1/n`` of the engine. A request first prefills its uncached prompt tokens at
+    ``prefill_rate`` tokens/s of engine time (prefill is already a matrix product: batching buys it little), then
+    decodes; the ``k`` decoding requests share the batched rate ``rate(k)``, so each decodes ``rate(k) / n`` tokens/s
+    (times the CPU share). A finished request answers with the weight version the engine holds then. It wants one
+    thread of the CPU while anything is active."""
 
-    def __init__(self, rate: Callable[[int], float], slots: int, cpu: Cpu) -> None:
+    def __init__(self, rate: Callable[[int], float], slots: int, cpu: Cpu, prefill_rate: float | None = None) -> None:
         self.rate, self.slots, self.cpu = rate, slots, cpu
+        self.prefill_rate = prefill_rate
         self.version = 0
         self.busy_s = 0.0
-        self._active: dict[int, list[Any]] = {}  # id -> [tokens left, future]
-        self._queue: deque[tuple[int, float, asyncio.Future]] = deque()
+        self.prompt_tokens = 0.0
+        self.prefilled = 0.0
+        """Prompt tokens prefilled (the rest of ``prompt_tokens`` came from the cache)."""
+        self._active: dict[int, list[Any]] = {}  # id -> [prefill tokens left, decode tokens left, future]
+        self._queue: deque[tuple[int, float, float, asyncio.Future]] = deque()
         self._ids = 0
         self._last = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -99,29 +107,44 @@ class SimEngine:
     def threads(self) -> float:
         return 1.0 if self._active else 0.0
 
-    async def generate(self, tokens: float) -> int:
+    async def generate(self, tokens: float, prefill: float = 0.0, prompt: float = 0.0) -> int:
+        """Generate ``tokens`` after prefilling ``prefill`` uncached tokens of a ``prompt`` (prefill is free without
+        a prefill rate)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._ids += 1
         rid = self._ids
-        self.cpu.update(loop, lambda: self._enqueue(rid, tokens, fut), self)
+        self.prompt_tokens += prompt
+        self.prefilled += prefill
+        prefill = prefill if self.prefill_rate else 0.0
+        self.cpu.update(loop, lambda: self._enqueue(rid, prefill, tokens, fut), self)
         return int(await fut)
 
-    def _enqueue(self, rid: int, tokens: float, fut: asyncio.Future) -> None:
-        self._queue.append((rid, tokens, fut))
+    def _enqueue(self, rid: int, prefill: float, tokens: float, fut: asyncio.Future) -> None:
+        self._queue.append((rid, prefill, tokens, fut))
         self._admit()
 
     def _admit(self) -> None:
         while self._queue and len(self._active) < self.slots:
-            rid, tokens, fut = self._queue.popleft()
-            self._active[rid] = [tokens, fut]
+            rid, prefill, tokens, fut = self._queue.popleft()
+            self._active[rid] = [prefill, tokens, fut]
+
+    def _rates(self, share: float) -> tuple[float, float]:
+        """(prefill, decode) tokens/s of each active request in its phase."""
+        n = len(self._active)
+        decoding = sum(1 for req in self._active.values() if req[0] <= _DONE)
+        decode = share * self.rate(decoding) / n if decoding else 0.0
+        return share * (self.prefill_rate or 0.0) / n, decode
 
     def advance(self, now: float, share: float) -> None:
         dt = now - self._last
         if self._active and dt > 0:
-            each = share * self.rate(len(self._active)) / len(self._active)
+            prefill, decode = self._rates(share)
             for req in self._active.values():
-                req[0] -= dt * each
+                if req[0] > _DONE:
+                    req[0] -= dt * prefill
+                else:
+                    req[1] -= dt * decode
             self.busy_s += dt
         self._last = now
 
@@ -130,8 +153,9 @@ class SimEngine:
             self._timer.cancel()
             self._timer = None
         if self._active:
-            each = share * self.rate(len(self._active)) / len(self._active)
-            soonest = min(req[0] for req in self._active.values()) / each
+            prefill, decode = self._rates(share)
+            # the next event: a prefill ends (the request starts decoding, every decode rate changes) or a request ends
+            soonest = min(req[0] / prefill if req[0] > _DONE else req[1] / decode for req in self._active.values())
             self._timer = loop.call_later(max(soonest, 0.0), self._tick, loop)
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -139,8 +163,8 @@ class SimEngine:
         self.cpu.update(loop, self._complete, self)
 
     def _complete(self) -> None:
-        for rid in [r for r, req in self._active.items() if req[0] <= _DONE]:
-            _, fut = self._active.pop(rid)
+        for rid in [r for r, req in self._active.items() if req[0] <= _DONE and req[1] <= _DONE]:
+            *_, fut = self._active.pop(rid)
             if not fut.done():
                 fut.set_result(self.version)
         self._admit()
@@ -204,6 +228,22 @@ class SimMixture:
         return index
 
 
+@dataclass
+class KvPolicy:
+    """Which prompt tokens a simulated turn prefills: a resumed turn pays only its new tokens while its cached
+    context survives; after a weight update it survives only under ``keep`` and within ``max_age`` versions
+    (``flush`` drops it, and ``recompute`` spends the same prefill, only earlier). Every episode's first turn finds
+    the ``shared_prefix`` tokens (the system prompt and tools every episode starts with) cached."""
+
+    prefix_cache: bool = True
+    max_age: int = 0
+    """Versions a cached context may lag the engine (0: flushed at every update)."""
+    shared_prefix: int = 0
+
+    def reuses(self, kv_version: int, engine_version: int) -> bool:
+        return self.prefix_cache and engine_version - kv_version <= self.max_age
+
+
 class SimRollouts:
     """Plays simulated groups; dispatch (``feed``) is the real :class:`Rollouts` code."""
 
@@ -211,11 +251,19 @@ class SimRollouts:
     _play_and_accept = Rollouts._play_and_accept
 
     def __init__(
-        self, episodes: list[Any], engines: list[SimEngine], concurrency: int, seed: int, cpu: Cpu, env_cpu_s: float
+        self,
+        episodes: list[Any],
+        engines: list[SimEngine],
+        concurrency: int,
+        seed: int,
+        cpu: Cpu,
+        env_cpu_s: float,
+        kv: KvPolicy | None = None,
     ) -> None:
         self.episodes, self.engines, self.seed = episodes, engines, seed
         self.limit = EpisodeSlots(concurrency)
         self.cpu, self.env_cpu_s = cpu, env_cpu_s
+        self.kv = kv or KvPolicy()
 
     async def play_group(self, group_id: str, draw: int, n: int, sampling: Any) -> Group:
         version = self.engines[0].version
@@ -226,10 +274,16 @@ class SimRollouts:
         key = zlib.crc32(f"{self.seed}:{traj_id}".encode())
         ep = self.episodes[random.Random(key).randrange(len(self.episodes))]
         engine = self.engines[key % len(self.engines)]  # a trajectory sticks to one engine
-        versions = []
+        versions: list[int] = []
+        turns = ep.turn_tokens or [(0, 0, ep.model_tokens / ep.turns)] * ep.turns
         async with self.limit:
-            for _ in range(ep.turns):
-                versions.append(await engine.generate(ep.model_tokens / ep.turns))
+            kv_version: int | None = None  # the oldest weight version in this episode's cached context
+            for context, new, generated in turns:
+                if kv_version is None or not self.kv.reuses(kv_version, engine.version):
+                    prefill, kv_version = max(context - self.kv.shared_prefix, 0), engine.version
+                else:
+                    prefill = new
+                versions.append(await engine.generate(generated, prefill, context))
                 await self._env_step(ep.env_s / ep.turns)
         # one token stands for each turn's generation: what the store and the loss bookkeeping read is its version
         seg = Segment(

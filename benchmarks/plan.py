@@ -1,22 +1,25 @@
 """The planner (``agentflow plan``) against measured runs, and its predictions at 8, 64 and 1,024 devices.
 
-Two local workloads, each run for real in ``sync`` and ``async`` mode:
+Three local workloads, each run for real in ``sync`` and ``async`` mode:
 
 - **demo**: the Calc demo with a lognormal tool latency (median 0.3 s, sigma 1, capped at 8 s: ``bench/SlowCalc-v0``
-  of ``async_vs_sync.py``), measured here with ``--measure`` (runs in ``runs/plan-demo-<mode>``);
-- **agentic**: the long-horizon job (``configs/agentic.yaml``), the runs ``async_vs_sync.py --workload agentic``
-  leaves in ``runs/async_vs_sync_agentic-<mode>``.
+  of ``async_vs_sync.py``), 100 steps per mode (``--measure demo``; runs in ``runs/plan-demo-<mode>``);
+- **agentic**: the long-horizon job (``configs/agentic.yaml``), 40 steps per mode (``--measure agentic``; runs in
+  ``runs/async_vs_sync_agentic-<mode>``, where ``async_vs_sync.py --workload agentic`` also leaves them);
+- **agentic-latency**: the long-horizon job with lognormal tool latency, the ``sync`` and ``lru-flush`` runs of
+  ``benchmarks/agentic_rollout.py`` (``runs/agentic_rollout/<policy>``).
 
 For each workload the planner is calibrated on one mode's run and predicts the other mode (both directions): the
 predicted samples/s and async/sync ratio are compared with the measured ones. The contention model uses this
 machine's effective cores (concurrent single-threaded spinners' summed rate over one alone) and the env's CPU seconds
 per step, both measured apart (the demo's tool latency is a sleep: 0 s; Trail's tool calls run in the sandbox:
-measured on its expert's episodes). Then the cluster table: from the calibration on each workload's async run, the
-best trainer:engine split and its samples/s at 8, 64 and 1,024 devices for sync and async (each device its own, no
-contention). Writes ``benchmarks/results/plan.json`` and ``plan.png``.
+measured on its expert's episodes); the engines' prefill rate is the engine benchmark's (``engine.json``) relative
+to its decode rate. Then the cluster table: from the calibration on the demo's and the long-horizon job's async run,
+the best trainer:engine split and its samples/s at 8, 64 and 1,024 devices for sync, async and async with adaptive
+replay (each device its own, no contention). Writes ``benchmarks/results/plan.json`` and ``plan.png``.
 
-    .venv/bin/python benchmarks/plan.py --measure   # the demo's two runs (~15 min), then the plan
-    .venv/bin/python benchmarks/plan.py             # the plan from runs already measured
+    .venv/bin/python benchmarks/plan.py --measure demo agentic   # the runs (~35 min), then the plan
+    .venv/bin/python benchmarks/plan.py                          # the plan from runs already measured
 """
 
 from __future__ import annotations
@@ -36,13 +39,30 @@ from agentflow.planner import (
     RunProfile,
     calibrate,
     default_curve,
+    default_prefill_ratio,
     load_profile,
     measure_effective_cores,
     plan,
     predict,
 )
 
-WORKLOADS = {"demo": "runs/plan-demo-{mode}", "agentic": "runs/async_vs_sync_agentic-{mode}"}
+WORKLOADS = {
+    "demo": {"sync": "runs/plan-demo-sync", "async": "runs/plan-demo-async"},
+    "agentic": {"sync": "runs/async_vs_sync_agentic-sync", "async": "runs/async_vs_sync_agentic-async"},
+    # the long-horizon job with lognormal tool latency, as benchmarks/agentic_rollout.py runs it (async: LRU + flush)
+    "agentic-latency": {"sync": "runs/agentic_rollout/sync", "async": "runs/agentic_rollout/lru-flush"},
+}
+#: workloads whose async calibration the cluster table starts from
+CLUSTER_WORKLOADS = ("demo", "agentic")
+
+
+def measure_agentic(steps: int = 40, eval_episodes: int = 50) -> None:
+    """The long-horizon job in sync and async mode (its cached warm-up), kept in ``runs/async_vs_sync_agentic-*``."""
+    from _agentic_workload import _run
+
+    args = argparse.Namespace(steps=steps, eval_episodes=eval_episodes, quick=False)
+    for mode in ("sync", "async"):
+        _run(mode, Path(WORKLOADS["agentic"][mode]), args, None)
 
 
 def measure_demo(steps: int, eval_episodes: int) -> None:
@@ -60,7 +80,7 @@ def measure_demo(steps: int, eval_episodes: int) -> None:
     for mode in ("sync", "async"):
         tmp = Path("runs") / "plan-demo-tmp"
         run(mode, model, tmp, args, 0.3)
-        dest = Path(WORKLOADS["demo"].format(mode=mode))
+        dest = Path(WORKLOADS["demo"][mode])
         shutil.rmtree(dest, ignore_errors=True)
         (tmp / f"{mode}-fifo-0.3").rename(dest)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -100,10 +120,10 @@ def env_cpu_per_step(env_id: str, episodes: int = 12) -> dict[str, float]:
 
 
 def _profile(workload: str, mode: str, cores: float, env_cpu_s: float) -> RunProfile | None:
-    run_dir = Path(WORKLOADS[workload].format(mode=mode))
+    run_dir = Path(WORKLOADS[workload][mode])
     if not (run_dir / "summary.json").is_file():
         return None
-    return load_profile(run_dir, default_curve(), cores=cores, env_cpu_s=env_cpu_s)
+    return load_profile(run_dir, default_curve(), cores, env_cpu_s, default_prefill_ratio())
 
 
 def cross_check(workload: str, cores: float, env_cpu_s: float) -> tuple[dict[str, Any], RunProfile, float] | None:
@@ -138,7 +158,8 @@ def cross_check(workload: str, cores: float, env_cpu_s: float) -> tuple[dict[str
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--measure", action="store_true", help="first run the demo workload in sync and async mode")
+    ap.add_argument("--measure", nargs="*", choices=("demo", "agentic"), default=[],
+                    help="first run these workloads in sync and async mode")  # fmt: skip
     ap.add_argument("--steps", type=int, default=100, help="RL steps of each measured demo run")
     ap.add_argument("--eval-episodes", type=int, default=50)
     ap.add_argument("--gpus", default="8,64,1024")
@@ -149,15 +170,19 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     start = time.monotonic()
-    if args.measure:
+    if "agentic" in args.measure:
+        measure_agentic()
+    if "demo" in args.measure:
         measure_demo(args.steps, args.eval_episodes)
     # measured on a quiet machine: what the parts' overlap can use (below the CPU count on hyper-threads), and the
     # CPU seconds of a Trail tool call
     cores = args.cores or measure_effective_cores()
     trail = json.loads(Path(args.env_cpu).read_text()) if args.env_cpu else env_cpu_per_step("agentflow/Trail-v0")
-    env_cpu = {"demo": {"cpu_s_per_step": 0.0, "note": "the tool latency is a sleep"}, "agentic": trail}
+    env_cpu = {"demo": {"cpu_s_per_step": 0.0, "note": "the tool latency is a sleep"}, "agentic": trail,
+               "agentic-latency": trail}  # fmt: skip
     table: dict[str, Any] = {"cpu_count": os.cpu_count(), "effective_cores": cores, "env_cpu": env_cpu,
-                             "workloads": {}, "clusters": {}}  # fmt: skip
+                             "prefill_over_decode": default_prefill_ratio(), "workloads": {},
+                             "clusters": {}}  # fmt: skip
     gpus = [int(g) for g in args.gpus.split(",")]
     fits = {}
     for workload in WORKLOADS:  # first every cross-check (the numbers that say whether to trust the rest)
@@ -168,6 +193,8 @@ def main() -> None:
         table["workloads"][workload], *fits[workload] = checked
         print(workload, json.dumps(_errors(table["workloads"][workload])), flush=True)
     for workload, (fitted, speed) in fits.items():
+        if workload not in CLUSTER_WORKLOADS:
+            continue
         clusters = replace_cores(fitted)
         table["clusters"][workload] = plan(clusters, speed, gpus, args.plan_steps, CLUSTER_MODES,
                                            args.max_batch_groups)  # fmt: skip

@@ -136,6 +136,8 @@ def main() -> None:
     path = out / ("turn_credit_quick.json" if args.quick else "turn_credit.json")
     table = json.loads(path.read_text()) if path.is_file() else {}
     runs: dict[str, dict[int, dict[str, Any]]] = {m: {} for m in methods(8)}
+    for m, by_seed in table.get(args.workload, {}).get("runs", {}).items():  # runs kept from an earlier invocation
+        runs.setdefault(m, {}).update({int(s): r for s, r in by_seed.items() if int(s) not in args.seeds})
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / "model", TINY, env_ids=["agentflow/Calc-v0"]) if args.quick else None
         if args.quick:

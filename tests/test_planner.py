@@ -15,6 +15,7 @@ import yaml
 from agentflow.cli import main
 from agentflow.config import load_config
 from agentflow.planner import (
+    Episode,
     PlanError,
     calibrate,
     curve_at,
@@ -24,9 +25,9 @@ from agentflow.planner import (
     simulate,
     source_scenario,
 )
-from agentflow.simulated import Cpu, SimEngine, SimTrainer, Work
+from agentflow.simulated import Cpu, KvPolicy, SimEngine, SimRollouts, SimTrainer, Work
 from agentflow.store import Journal
-from agentflow.types import Segment, Trajectory
+from agentflow.types import Segment, Trajectory, Turn
 from agentflow.virtual_clock import Stalled, VirtualLoop, run_virtual
 
 CURVE = {1: 1.0, 8: 4.0, 32: 8.0}
@@ -79,6 +80,51 @@ def test_processor_sharing_engine_by_hand() -> None:
     # both at 50 tokens/s: the first ends at 2 s (100 tokens); the second has 200 left, alone at 100/s: 4 s
     (t1, v1), (t2, v2) = run_virtual(job())
     assert t1 == pytest.approx(2.0) and t2 == pytest.approx(4.0) and v1 == v2 == 7
+
+
+def test_prefill_takes_its_share_of_the_engine_then_decodes_by_hand() -> None:
+    """A (1,000 tokens to prefill, then 100 to decode) beside B (50 to decode): each has half the engine, so A
+    prefills at 500/s and B decodes at 100/2 = 50/s until B ends at 1 s; A prefills its last 500 alone at 1,000/s
+    (1.5 s) and decodes 100 at 100/s (2.5 s)."""
+
+    async def job() -> list[float]:
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(lambda n: 100.0, slots=8, cpu=Cpu(None), prefill_rate=1000.0)
+
+        async def one(tokens: float, prefill: float) -> float:
+            await engine.generate(tokens, prefill, prompt=prefill + 10)
+            return loop.time()
+
+        ends = list(await asyncio.gather(one(100, 1000), one(50, 0)))
+        assert engine.prefilled == 1000 and engine.prompt_tokens == 1020
+        return ends
+
+    assert run_virtual(job()) == pytest.approx([2.5, 1.0])
+
+
+@pytest.mark.parametrize(
+    ("kv", "prefilled"),
+    [
+        (KvPolicy(max_age=0, shared_prefix=20), 80 + 130 + 40),  # flush: the update drops the context
+        (KvPolicy(max_age=2, shared_prefix=20), 80 + 40 + 40),  # keep: the old weights' KV still serves
+        (KvPolicy(prefix_cache=False, shared_prefix=20), 80 + 130 + 180),  # no cache: every turn prefills all
+    ],
+)
+def test_a_weight_update_mid_episode_costs_a_prefill_only_when_the_kv_is_dropped(kv: KvPolicy, prefilled: int) -> None:
+    """Three turns at contexts 100, 150, 200 tokens (40 new after each turn); the version changes in the first
+    env wait. The first turn finds the 20 shared prompt tokens cached."""
+    ep = Episode(3, 30, env_s=3.0, reward=1.0, turn_tokens=[(100, 100, 10), (150, 40, 10), (200, 40, 10)])
+
+    async def job() -> float:
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(lambda n: 1e6, slots=4, cpu=Cpu(None), prefill_rate=1e6)
+        rollouts = SimRollouts([ep], [engine], 1, 0, Cpu(None), 0.0, kv)
+        loop.call_later(0.5, setattr, engine, "version", 1)
+        traj = await rollouts._episode("g0-0", "g0")
+        assert traj.segments[0].versions[1:] == [0, 1, 1]
+        return engine.prefilled
+
+    assert run_virtual(job()) == prefilled
 
 
 def test_slots_queue_requests_in_arrival_order() -> None:
@@ -153,6 +199,21 @@ def _fake_run(tmp_path: Path, mode: str = "async", measured: float = 3.0) -> Pat
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "summary.json").write_text(json.dumps({"trajectories_trained": 160, "rl_wall_s": 160 / measured}))
     return run
+
+
+def test_turn_spans_give_each_turn_its_context_and_new_tokens(tmp_path: Path) -> None:
+    run = _fake_run(tmp_path)
+    (run / "journal.jsonl").unlink()
+    journal = Journal(run / "journal.jsonl")
+    for g, system in enumerate(([7, 7, 7, 1], [7, 7, 7, 2])):  # every prompt starts with the same 3 tokens
+        ids = system + [5] * 6 + [0] * 10 + [5] * 4
+        turns = [Turn(0, "a", "o", span=(10, 16)), Turn(1, "a", "o", span=(20, 24))]
+        seg = Segment(token_ids=ids, loss_mask=[0] * 10 + [1] * 6 + [0] * 4 + [1] * 4)
+        journal.append([Trajectory(f"s{g}", "t", f"s{g}", "e", segments=[seg], turns=turns, reward=1.0)])
+    journal.close()
+    profile = load_profile(run, CURVE, prefill_ratio=8.0)
+    assert profile.shared_prefix == 3 and profile.prefill_ratio == 8.0
+    assert [e.turn_tokens for e in profile.episodes] == [[(10, 10, 6), (20, 4, 4)]] * 2
 
 
 def test_calibration_reproduces_the_run_and_predictions_follow_the_window(tmp_path: Path) -> None:
