@@ -485,7 +485,9 @@ def best_split(
     max_batch_groups: int = 1024,
 ) -> dict[str, Any]:
     """Simulate ``gpus`` devices split between trainer and engines in ``mode``; the split with the most steady-state
-    samples/s (trainer GPUs: powers of two from a sixteenth to half of the devices).
+    samples/s. Trainer GPUs: powers of two from a sixteenth to half of the devices, then, while the best split is
+    at an end of what was tried, halfway further towards that end (down to 1 trainer GPU, up to 1 engine), so the
+    recommendation is never an artefact of the range.
 
     The batch grows with the cluster (``batch_groups * gpus / source devices``, at most ``max_batch_groups``), so every
     split trains the same batch and only the split differs."""
@@ -493,13 +495,24 @@ def best_split(
     source_devices = profile.engines + 1
     batch = min(max(base.batch_groups, round(base.batch_groups * gpus / source_devices)), max_batch_groups)
     options = trainer_options or [t for t in _powers_of_two(gpus // 2) if t >= max(1, gpus // 16)]
-    tried = []
-    for t in options:
+    tried: dict[int, dict[str, Any]] = {}
+
+    def run(t: int) -> None:
         sc = replace(base, mode=mode, engines=gpus - t, trainer_gpus=t, batch_groups=batch)
-        r = simulate(profile, sc)
-        tried.append({"trainer_gpus": t, "engines": gpus - t, **r.as_dict()})
-    best = max(tried, key=lambda r: r["steady_samples_per_s"])
-    return {"gpus": gpus, "mode": mode, "batch_groups": batch, "best": best, "tried": tried}
+        tried[t] = {"trainer_gpus": t, "engines": gpus - t, **simulate(profile, sc).as_dict()}
+
+    for t in options:
+        run(t)
+    while trainer_options is None:
+        best = max(tried.values(), key=lambda r: r["steady_samples_per_s"])["trainer_gpus"]
+        lo, hi = min(tried), max(tried)
+        nxt = (hi + (gpus - hi + 1) // 2) if best == hi else (lo // 2 if best == lo else 0)
+        if nxt in tried or not 1 <= nxt <= gpus - 1:
+            break
+        run(nxt)
+    rows = [tried[t] for t in sorted(tried)]
+    best_row = max(rows, key=lambda r: r["steady_samples_per_s"])
+    return {"gpus": gpus, "mode": mode, "batch_groups": batch, "best": best_row, "tried": rows}
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -227,8 +227,12 @@ def test_calibration_reproduces_the_run_and_predictions_follow_the_window(tmp_pa
     assert sync.samples_per_s < asyn.samples_per_s  # tool latency overlaps training only in async
     table = plan(fitted, speed, gpus=[8], steps=4, modes=["async"])
     (row,) = table["rows"]
-    assert row["batch_groups"] == 8 and {r["trainer_gpus"] for r in row["tried"]} == {1, 2, 4}
+    split = [r["trainer_gpus"] for r in row["tried"]]
+    assert row["batch_groups"] == 8 and {1, 2, 4} <= set(split) and split == sorted(split)
     assert row["best"]["steady_samples_per_s"] == max(r["steady_samples_per_s"] for r in row["tried"])
+    # the best split is inside what was tried, or at the end of the range (1 trainer GPU, 1 engine)
+    best = row["best"]["trainer_gpus"]
+    assert best in (1, 7) or split[0] < best < split[-1]
 
 
 def test_replay_in_the_plan_uses_the_real_store_and_keeps_the_bound(tmp_path: Path) -> None:
