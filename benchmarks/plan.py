@@ -178,6 +178,7 @@ def main() -> None:
     # CPU seconds of a Trail tool call
     cores = args.cores or measure_effective_cores()
     trail = json.loads(Path(args.env_cpu).read_text()) if args.env_cpu else env_cpu_per_step("agentflow/Trail-v0")
+    print(f"effective cores {cores:.2f}; Trail env step {json.dumps(trail)}", flush=True)
     env_cpu = {"demo": {"cpu_s_per_step": 0.0, "note": "the tool latency is a sleep"}, "agentic": trail,
                "agentic-latency": trail}  # fmt: skip
     table: dict[str, Any] = {"cpu_count": os.cpu_count(), "effective_cores": cores, "env_cpu": env_cpu,

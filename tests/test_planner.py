@@ -252,6 +252,16 @@ def test_a_run_faster_than_its_own_parts_allow_is_refused(tmp_path: Path) -> Non
         calibrate(profile, steps=10)
 
 
+def test_a_latency_bound_run_is_fitted_to_the_slowest_engines_that_keep_it(tmp_path: Path) -> None:
+    """A run a little faster than even infinitely fast engines allow (the episode draw's noise) is latency-bound:
+    calibrated to 99% of that bound instead of refused."""
+    profile = load_profile(_fake_run(tmp_path), CURVE)
+    bound = simulate(profile, source_scenario(profile, 1e6, 10)).samples_per_s
+    fitted, speed = calibrate(replace(profile, measured_samples_per_s=1.03 * bound), steps=10, iters=20)
+    assert simulate(fitted, source_scenario(fitted, speed, 10)).samples_per_s == pytest.approx(0.99 * bound, rel=0.01)
+    assert speed < 1e5
+
+
 def test_plan_command_names_what_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", str(tmp_path)]) == 2
     assert "no config.yaml" in capsys.readouterr().err
