@@ -238,7 +238,7 @@ def plot(table: dict[str, Any], path: Path) -> None:
     names, measured, predicted = [], [], []
     for workload, d in table["workloads"].items():
         for source, target in (("sync", "async"), ("async", "sync")):
-            names.append(f"{workload}\n{target} (fit on {source})")
+            names.append(f"{workload}\n{target}\n(fit on {source})")
             measured.append(d["measured_samples_per_s"][target])
             predicted.append(d["from"][source][f"predicted_{target}_samples_per_s"])
     x = range(len(names))
