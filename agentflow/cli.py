@@ -56,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--steps", type=int, default=6, help="RL steps simulated per cluster scenario")
     plan.add_argument("--speed", type=float, default=None, help="engine tokens/s at one request (default: fitted)")
-    plan.add_argument("--curve", default=None, help="engine benchmark JSON with the batched-decode curve")
+    plan.add_argument(
+        "--curve", default=None, help="engine benchmark JSON: the batched-decode curve and the prefill/decode ratio"
+    )
     plan.add_argument(
         "--cores",
         default=None,
