@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import statistics
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -45,6 +43,16 @@ from typing import Any
 
 from agentflow.config import JobConfig, load_config
 from agentflow.rollout import BusyTracker
+from agentflow.simulated import (
+    Cpu,
+    KvPolicy,
+    SimEngine,
+    SimMixture,
+    SimRollouts,
+    SimTrainer,
+    SimTransport,
+    measure_effective_cores,
+)
 from agentflow.store import TrajectoryStore
 from agentflow.virtual_clock import VirtualLoop, run_virtual
 
@@ -278,45 +286,6 @@ def curve_at(curve: dict[int, float], n: int) -> float:
     return points[-1][1]
 
 
-def _spin(seconds: float, start: Any, out: Any) -> None:
-    """One process of :func:`measure_effective_cores`: single-threaded matrix products for ``seconds``."""
-    import torch
-
-    torch.set_num_threads(1)
-    a = torch.randn(192, 192)
-    start.wait()
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ a
-        n += 1
-    out.put(n / (time.perf_counter() - t0))
-
-
-def measure_effective_cores(workers: int | None = None, seconds: float = 2.0, repeats: int = 3) -> float:
-    """How many single-threaded compute-bound processes' worth of work this machine does at once: the summed rate of
-    ``workers`` (default: the CPU count) concurrent spinners over one alone. Below the CPU count where logical CPUs
-    share physical cores (hyper-threads) or memory bandwidth; this, not the CPU count, bounds overlap."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-
-    def rates(n: int) -> list[float]:
-        start, out = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_spin, args=(seconds, start, out)) for _ in range(n)]
-        for p in procs:
-            p.start()
-        time.sleep(3.0)  # every process imported torch and waits at the start line
-        start.set()
-        got = [out.get(timeout=60 + seconds) for _ in procs]
-        for p in procs:
-            p.join()
-        return got
-
-    n = workers or os.cpu_count() or 1
-    # a shared machine is noisy: the median of ``repeats`` alone/together pairs
-    return statistics.median(sum(rates(n)) / rates(1)[0] for _ in range(repeats))
-
-
 # -------------------------------------------------------------------------------------------------- one simulation
 
 
@@ -363,7 +332,6 @@ def simulate(profile: RunProfile, sc: Scenario) -> SimResult:
 async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
     from agentflow.builder import Job, stale_steps
     from agentflow.controller import rl_loop
-    from agentflow.simulated import Cpu, KvPolicy, SimEngine, SimMixture, SimRollouts, SimTrainer, SimTransport
 
     loop = asyncio.get_running_loop()
     assert isinstance(loop, VirtualLoop), "simulate() runs on a VirtualLoop"
