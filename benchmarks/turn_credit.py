@@ -4,9 +4,11 @@ Every method starts from the same warmed-up policy and trains the same number of
 (``--eval-episodes``) is measured every ``--eval-every`` steps with the model tokens generated so far. Methods:
 
 - ``grpo``: ``rollout.group_size`` roots per group, trajectory-level advantages;
-- ``turn``: the same groups, ``trainer.turn_credit`` (per-turn returns by turn index, reverse-order updates);
+- ``turn``: the same groups, ``trainer.turn_credit`` (per-turn returns by turn index, reverse-order updates in
+  ``PHASES`` bands of turn depths);
 - ``tree``: half the roots per group and as many branches from their turns (``rollout.tree``, deepest first),
-  ``trainer.tree_credit`` (per-turn advantages from the tree's state values, reverse-order updates).
+  ``trainer.tree_credit`` (per-turn advantages from the tree's state values, reverse-order updates in ``PHASES``
+  bands).
 
 A branch starts mid-episode, so the tree method generates fewer tokens per step; the comparison at equal tokens
 takes each run's success at the smallest final token count among the methods of a seed (linear between
@@ -34,18 +36,23 @@ from agentflow.model_init import init_model
 from agentflow.recipes.rl import run_job
 
 CONFIGS = {"demo": "configs/demo.yaml", "agentic": "configs/agentic.yaml"}
+PHASES = 4
+"""Reverse-order update phases per step of the turn-level methods (``trainer.turn_phases``): one phase per turn
+depth trained the long-horizon job's steps ~10x slower than GRPO (up to 20 depths, each a forward and backward
+pass)."""
 
 
 def methods(group_size: int) -> dict[str, list[str]]:
     half = max(1, group_size // 2)
     return {
         "grpo": [],
-        "turn": ["trainer.turn_credit=true"],
+        "turn": ["trainer.turn_credit=true", f"trainer.turn_phases={PHASES}"],
         "tree": [
             f"rollout.group_size={half}",
             f"rollout.tree.branches={group_size - half}",
             "rollout.tree.select=last_first",
             "trainer.tree_credit=true",
+            f"trainer.turn_phases={PHASES}",
         ],  # fmt: skip
     }
 
@@ -125,6 +132,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-episodes", type=int, default=100)
+    ap.add_argument("--methods", nargs="+", choices=list(methods(8)), default=list(methods(8)),
+                    help="methods to (re)run; other methods' runs already in the results file are kept")  # fmt: skip
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--runs", default="runs")
@@ -137,13 +146,13 @@ def main() -> None:
     table = json.loads(path.read_text()) if path.is_file() else {}
     runs: dict[str, dict[int, dict[str, Any]]] = {m: {} for m in methods(8)}
     for m, by_seed in table.get(args.workload, {}).get("runs", {}).items():  # runs kept from an earlier invocation
-        runs.setdefault(m, {}).update({int(s): r for s, r in by_seed.items() if int(s) not in args.seeds})
+        runs.setdefault(m, {}).update({int(s): r for s, r in by_seed.items()})
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / "model", TINY, env_ids=["agentflow/Calc-v0"]) if args.quick else None
         if args.quick:
             args.runs = str(Path(tmp) / "runs")
         for seed in args.seeds:
-            for m in runs:  # interleaved so machine noise hits every method alike
+            for m in args.methods:  # interleaved so machine noise hits every method alike
                 runs[m][seed] = run_one(args, m, seed, model)
                 table[args.workload] = summarize({k: v for k, v in runs.items() if v})
                 path.write_text(json.dumps(table, indent=2, default=str))

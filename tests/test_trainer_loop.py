@@ -126,3 +126,45 @@ def test_norm_tokens_scales_the_loss_average(tiny_model):
     plain = _trainer(tiny_model).train_step(samples)
     diluted = _trainer(tiny_model).train_step([replace(s, norm_tokens=4 * own) for s in samples])
     assert diluted["loss"] == pytest.approx(plain["loss"] / 4, rel=1e-4)
+
+
+def _uneven_samples() -> list[Sample]:
+    """Two-turn samples and one-turn ones: the deepest phase has nothing to train in the one-turn samples."""
+    out = _samples()
+    for s in out[::2]:
+        s.turn_spans, s.turn_rewards, s.turn_nodes = [(5, 9)], [s.reward], s.turn_nodes[:1]
+        s.loss_mask = [0] * 5 + [1] * 4 + [0] * 5
+    return out
+
+
+def test_a_phase_skips_samples_with_nothing_to_train_and_matches_training_them_all(tiny_model):
+    """Samples without a token in a phase add no gradient: leaving them out of that phase's pass (what the trainer
+    does) gives the weights that passing every sample through every phase gives."""
+    from trainer.losses import plan_advantages
+
+    samples = _uneven_samples()
+    skipped = _trainer(tiny_model, turn_credit=True)
+    m = skipped.train_step(samples)
+    assert m["optimizer_steps"] == 2
+    every = _trainer(tiny_model, turn_credit=True)
+    cfg = every.settings.loss
+    plan = plan_advantages(samples, cfg)
+    assert any(not any(plan.phases[0][i]) for i in range(len(samples)))  # the first phase skips someone
+    for phase in plan.phases:
+        every._update(samples, [(plan.advantages[i], phase[i], None) for i in range(len(samples))], cfg,
+                      False)  # fmt: skip
+    for (n, p), (_, q) in zip(skipped.model.named_parameters(), every.model.named_parameters(), strict=True):
+        assert (p - q).abs().max().item() <= 1e-6, n
+
+
+def test_turn_phases_bounds_the_reverse_order_updates(tiny_model):
+    from trainer.losses import plan_advantages
+
+    samples = _samples()
+    per_depth = plan_advantages(samples, LossSettings(turn_credit=True))
+    banded = plan_advantages(samples, LossSettings(turn_credit=True, turn_phases=1))
+    assert len(per_depth.phases) == 2 and len(banded.phases) == 1 and banded.advantages == per_depth.advantages
+    assert banded.phases[0] == [s.loss_mask for s in samples]  # one band: every trained token once
+    assert _trainer(tiny_model, turn_credit=True, turn_phases=1).train_step(samples)["optimizer_steps"] == 1
+    with pytest.raises(ValueError, match="turn_phases bounds"):
+        LossSettings(turn_phases=2)

@@ -89,6 +89,11 @@ class LossFields(_Section):
     tree_credit: bool = False
     """With ``rollout.tree``: each turn's advantage from the returns of the continuations below its state and its
     siblings' (``trainer/tree_credit.py``), updates in reverse turn order; group-relative losses only."""
+    turn_phases: int | None = Field(None, ge=1)
+    """``turn_credit``/``tree_credit``: at most this many reverse-order update phases per step, each a band of
+    consecutive turn depths, deepest band first (None: one phase per turn depth). Each phase is a forward and
+    backward pass over the episodes with a turn in it, so on 20-turn episodes per-depth phases cost up to 20
+    passes a step; bands bound that."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount of per-turn returns; with ``ppo``, GAE's discount per model token."""
     lam: float = Field(1.0, ge=0, le=1)
@@ -126,6 +131,9 @@ class LossFields(_Section):
                              f"dapo, gspo, cispo), not {loss!r}")  # fmt: skip
         if self.tree_credit and self.turn_credit:
             raise ValueError("tree_credit and turn_credit are two turn-level credits: choose one")
+        if self.turn_phases is not None and (not (self.turn_credit or self.tree_credit) or loss in ("ppo", "sft")):
+            raise ValueError(f"turn_phases bounds the reverse-order phases of turn_credit or tree_credit, which loss "
+                             f"{loss!r} with these settings does not run")  # fmt: skip
 
 
 class TrainerConfig(OptimFields, LossFields):

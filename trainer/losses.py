@@ -178,7 +178,21 @@ def plan_advantages(samples: list[Sample], cfg: LossSettings) -> AdvantagePlan:
         for row, s in zip(plan.advantages, samples, strict=True):
             for t, r in enumerate(distill_rewards(s, cfg.distill_reward_estimator)):
                 row[t] += cfg.distill_reward_coef * r
+    if cfg.turn_phases is not None:
+        plan.phases = band_phases(plan.phases, cfg.turn_phases)
     return plan
+
+
+def band_phases(phases: list[list[list[int]]], most: int) -> list[list[list[int]]]:
+    """At most ``most`` phases: consecutive phases merged into bands of near-equal size, in the same order (a token
+    is trained in exactly one phase, so a band's mask is the sum of its phases')."""
+    if len(phases) <= most:
+        return phases
+    out = []
+    for b in range(most):
+        band = phases[b * len(phases) // most : (b + 1) * len(phases) // most]
+        out.append([[sum(col) for col in zip(*rows, strict=True)] for rows in zip(*band, strict=True)])
+    return out
 
 
 def group_plan(

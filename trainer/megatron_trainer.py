@@ -166,9 +166,13 @@ class MegatronTrainer:
         totals: dict[str, float] = {}
         updates = 0
         for phase in plan.phases:
-            for part in _split(len(samples), cfg.minibatches):
-                rows = [(plan.advantages[i], phase[i], old[i] if old else None, *critic_rows(plan, i)) for i in part]
-                for k, v in self._update([samples[i] for i in part], rows, cfg, single).items():
+            # a phased update (turn-level credit) leaves out the samples with nothing to train in this phase: they
+            # would add no gradient, only a forward and backward pass (the loss is averaged over trained tokens)
+            active = [i for i in range(len(samples)) if len(plan.phases) == 1 or any(phase[i])]
+            for part in _split(len(active), cfg.minibatches) if active else []:
+                idx = [active[j] for j in part]
+                rows = [(plan.advantages[i], phase[i], old[i] if old else None, *critic_rows(plan, i)) for i in idx]
+                for k, v in self._update([samples[i] for i in idx], rows, cfg, single).items():
                     totals[k] = totals.get(k, 0.0) + v
                 updates += 1
         self.version += 1
