@@ -84,6 +84,11 @@ How each departs from its paper:
   it (roots and the branches started from it); a turn's advantage is ``(V(next) - V(root)) + (V(next) - V(here))``
   over the group's return std, the global-plus-local form of TreeRL rather than either paper's; updates run in
   reverse turn order, one optimizer step per turn depth, as for turn credit. ``trainer/tree_credit.py`` details it.
+* **Phase bands** (``turn_phases``, both turn-level credits): a phase is a forward and backward pass over every
+  episode with a turn at that depth, so one phase per depth costs up to 20 passes a step on 20-turn episodes (the
+  long-horizon job's steps trained ~10x slower than GRPO's). ``turn_phases: N`` merges consecutive depths into at
+  most ``N`` bands, still deepest first: the papers' turn-by-turn order only between bands. Within any phase, an
+  episode with nothing to train in it is left out of the pass (no gradient lost).
 * Metric ``is_approx_k3_kl``: the k3 estimate of KL(behaviour || old), ``mean(r - 1 - log r)`` over model tokens.
 """
 
