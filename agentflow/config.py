@@ -69,8 +69,9 @@ class DataConfig(Section):
 class TreeConfig(Section):
     branches: int = Field(0, ge=0)
     """Continuations per group started from the state after one of its roots' turns (0: no tree)."""
-    select: Literal["uniform", "last_first", "surprisal"] = "uniform"
-    """Where to branch: turns at random, the deepest first, or where the sampled tokens were least likely."""
+    select: Literal["uniform", "last_first", "surprisal", "disagree"] = "uniform"
+    """Where to branch: turns at random, the deepest first, where the sampled tokens were least likely, or the
+    states where the roots took the most different actions (then by surprisal)."""
     max_tokens: int | None = Field(None, ge=1)
     """Generated tokens per group (roots and branches) past which no further branch starts (None: no bound)."""
 
@@ -301,6 +302,10 @@ class RunConfig(Section):
     ``sync``: generate a batch, then train (``stale_steps`` 0, dispatch closed while training)."""
     steps: int = Field(20, ge=0)
     """RL steps (optimizer steps, each one weight version)."""
+    max_generated_tokens: int | None = Field(None, gt=0)
+    """Budget of generated model tokens: the job stops after the step at which the accepted trajectories' model
+    tokens (trained or not; a branch counts what it generated itself; a resumed run counts its journal) reach it,
+    or after ``steps``, whichever comes first. For comparing methods at equal inference compute."""
     overwrite: bool = False
     """Start over in a run directory that already holds a run (its journal, metrics, checkpoints and summary are
     removed first); otherwise such a directory is refused, and ``agentflow train --resume DIR`` continues it."""

@@ -92,12 +92,20 @@ async def rl_loop(job: Job, resume: ResumeState | None = None, evaluate: Evaluat
             extra = await _every_steps(job, result, evaluate)
             job.metrics.step(result.steps, train=metrics, rollout=batch_metrics(batch), store=store.metrics(),
                              sync=report, engine=engine_counters(job.engine), **extra)  # fmt: skip
+            if over_budget(cfg, store.generated_tokens):
+                break
     finally:
         feeder.cancel()
         await asyncio.gather(feeder, return_exceptions=True)
     result.end = time.monotonic()
     result.wall_s = result.end - result.start
     return result
+
+
+def over_budget(cfg: JobConfig, generated_tokens: int) -> bool:
+    """Whether ``run.max_generated_tokens`` is spent."""
+    budget = cfg.run.max_generated_tokens
+    return budget is not None and generated_tokens >= budget
 
 
 def rollout_sampling(cfg: JobConfig) -> SamplingParams:

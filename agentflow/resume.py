@@ -47,6 +47,8 @@ class ResumeState:
     """The checkpoint's replay pool: groups that may be trained again and their replays so far."""
     replay_counts: dict[str, int] = field(default_factory=dict)
     """Group id -> times trained again, over the checkpoint's lineage."""
+    generated_tokens: int = 0
+    """Model tokens of every journaled trajectory (what ``run.max_generated_tokens`` has spent so far)."""
 
 
 def group_index(group_id: str) -> int:
@@ -129,7 +131,8 @@ def plan_resume(run_dir: str | Path, load: Callable[[str], dict[str, Any]], grou
     fresh = None if extra.get("fresh_groups") is None else int(extra["fresh_groups"])
     replayable = replay_pool(journal, set(trained), dict(extra.get("replay", {})), version)
     counts = {str(k): int(v) for k, v in dict(extra.get("replay_counts", {})).items()}
-    return ResumeState(path, step, trained, groups, next_index, skipped, fresh, replayable, counts)
+    spent = sum(t.num_model_tokens() for t in journal)
+    return ResumeState(path, step, trained, groups, next_index, skipped, fresh, replayable, counts, spent)
 
 
 def replay_pool(

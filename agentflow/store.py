@@ -487,6 +487,7 @@ class TrajectoryStore:
             "in_flight_groups": len(self._live) - ready,
             "ready_groups": ready,
             "accepted_trajectories": self.accepted,
+            "generated_tokens": self.generated_tokens,
             "finished_len_mean": fin,
             "trained_len_mean": self.trained_len.mean(),
             "dropped_len_mean": self.dropped_len.mean(),

@@ -1,20 +1,22 @@
 """Trajectory-level GRPO vs per-turn credit vs tree credit, at an equal budget of generated tokens.
 
-Every method starts from the same warmed-up policy and trains the same number of steps; held-out success
-(``--eval-episodes``) is measured every ``--eval-every`` steps with the model tokens generated so far. Methods:
+Every method starts from the same warmed-up policy; held-out success (``--eval-episodes``) is measured every
+``--eval-every`` steps with the model tokens generated so far. Methods:
 
 - ``grpo``: ``rollout.group_size`` roots per group, trajectory-level advantages;
 - ``turn``: the same groups, ``trainer.turn_credit`` (per-turn returns by turn index, reverse-order updates in
   ``PHASES`` bands of turn depths);
-- ``tree``: half the roots per group and as many branches from their turns (``rollout.tree``, deepest first),
-  ``trainer.tree_credit`` (per-turn advantages from the tree's state values, reverse-order updates in ``PHASES``
-  bands).
+- ``tree``: half the roots per group and as many branches (``--tree-branches``) from their turns (``rollout.tree``,
+  chosen by ``--tree-select``, default where the roots disagree), ``trainer.tree_credit`` (per-turn advantages from
+  the tree's state values, reverse-order updates in ``PHASES`` bands).
 
-A branch starts mid-episode, so the tree method generates fewer tokens per step; the comparison at equal tokens
-takes each run's success at the smallest final token count among the methods of a seed (linear between
-evaluations). Writes ``benchmarks/results/turn_credit.json`` (one section per workload) and ``turn_credit.png``.
+A branch starts mid-episode, so the tree method generates fewer tokens per step. ``--tokens`` gives every run the
+same budget of generated tokens (``run.max_generated_tokens``; ``--steps`` is then only a cap), so the tree makes
+more steps; the comparison at equal tokens takes each run's success at the smallest final token count among the
+methods of a seed (linear between evaluations). Writes ``benchmarks/results/turn_credit.json`` (one section per
+workload) and ``turn_credit.png``.
 
-    .venv/bin/python benchmarks/turn_credit.py --workload agentic --seeds 0 1 2
+    .venv/bin/python benchmarks/turn_credit.py --workload agentic --seeds 0 1 2 --tokens 300000 --steps 200
     .venv/bin/python benchmarks/turn_credit.py --workload demo
     .venv/bin/python benchmarks/turn_credit.py --quick            # a tiny random model, a few steps
 """
@@ -34,6 +36,7 @@ from async_vs_sync import TINY
 from agentflow.config import load_config
 from agentflow.model_init import init_model
 from agentflow.recipes.rl import run_job
+from agentflow.tree import SELECT
 
 CONFIGS = {"demo": "configs/demo.yaml", "agentic": "configs/agentic.yaml"}
 PHASES = 4
@@ -42,15 +45,17 @@ depth trained the long-horizon job's steps ~10x slower than GRPO (up to 20 depth
 pass)."""
 
 
-def methods(group_size: int) -> dict[str, list[str]]:
+def methods(group_size: int, select: str = "disagree", branches: int | None = None) -> dict[str, list[str]]:
+    """Each method's overrides; the tree keeps half the roots and ``branches`` (default: the other half) branches,
+    chosen by ``select``."""
     half = max(1, group_size // 2)
     return {
         "grpo": [],
         "turn": ["trainer.turn_credit=true", f"trainer.turn_phases={PHASES}"],
         "tree": [
             f"rollout.group_size={half}",
-            f"rollout.tree.branches={group_size - half}",
-            "rollout.tree.select=last_first",
+            f"rollout.tree.branches={group_size - half if branches is None else branches}",
+            f"rollout.tree.select={select}",
             "trainer.tree_credit=true",
             f"trainer.turn_phases={PHASES}",
         ],  # fmt: skip
@@ -62,7 +67,9 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
     run_dir = Path(args.runs) / f"turn_credit-{args.workload}-{method}-s{seed}"
     over = [f"run.seed={seed}", f"data.seed={seed}", f"run.dir={run_dir}", f"run.steps={args.steps}",
             "run.progress=false", "run.overwrite=true", f"eval.every_steps={args.eval_every}",
-            f"eval.episodes={args.eval_episodes}", *methods(base.rollout.group_size)[method]]  # fmt: skip
+            f"eval.episodes={args.eval_episodes}",
+            *([f"run.max_generated_tokens={args.tokens}"] if args.tokens else []),
+            *methods(base.rollout.group_size, args.tree_select, args.tree_branches)[method]]  # fmt: skip
     if model is not None:  # --quick
         over += [
             f"model.path={model}",
@@ -74,7 +81,8 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
     evals = [{"step": 0, "success": s["success_before_rl"], "generated_tokens": 0, "rl_s": 0.0}]
     evals += [{k: e[k] for k in ("step", "success", "generated_tokens", "rl_s")} for e in s["evals"]]
     return {"success_before_rl": s["success_before_rl"], "success_after_rl": s["success_after_rl"],
-            "rl_wall_s": s["rl_wall_s"], "evals": evals, "tree": s.get("tree")}  # fmt: skip
+            "rl_wall_s": s["rl_wall_s"], "evals": evals, "tree": s.get("tree"), "rl_steps": s["rl_steps"],
+            "token_budget": args.tokens, "generated_tokens": s["generated_tokens"]}  # fmt: skip
 
 
 def at_tokens(evals: list[dict[str, Any]], tokens: float) -> float:
@@ -129,11 +137,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", choices=list(CONFIGS), default="agentic")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=60, help="RL steps (the most, with --tokens)")
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="budget of generated tokens per run (run.max_generated_tokens): each method stops there",
+    )
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--eval-episodes", type=int, default=100)
     ap.add_argument("--methods", nargs="+", choices=list(methods(8)), default=list(methods(8)),
                     help="methods to (re)run; other methods' runs already in the results file are kept")  # fmt: skip
+    ap.add_argument("--tree-select", choices=SELECT, default="disagree", help="where the tree branches")
+    ap.add_argument("--tree-branches", type=int, default=None, help="branches per group (default: half the roots)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--runs", default="runs")

@@ -215,7 +215,7 @@ def _check_weight_sync(tiny_model):
     env.close()
 
 
-def _job_cfg(tiny_model, tmp_path, mode: str, steps: int = 4):
+def _job_cfg(tiny_model, tmp_path, mode: str, steps: int = 4, extra: tuple[str, ...] = ()):
     return load_config(
         None,
         [
@@ -233,6 +233,7 @@ def _job_cfg(tiny_model, tmp_path, mode: str, steps: int = 4):
             "engine.max_len=384",
             "trainer.micro_batch_tokens=2048",
             "trainer.drop_uniform_groups=false",  # an untrained model scores 0 everywhere: train on it anyway
+            *extra,
         ],
     )
 
@@ -270,6 +271,18 @@ def test_job_staleness_bound_and_outputs(tiny_model, tmp_path, mode):
     assert (run_dir / "config.yaml").is_file() and list((run_dir / "checkpoints").iterdir())
     journal = Journal.read(run_dir / "journal.jsonl")
     assert len(journal) >= summary["trajectories_trained"] == 4 * 2 * 2
+
+
+def test_job_stops_at_its_token_budget(tiny_model, tmp_path):
+    from agentflow.recipes.rl import run_job
+
+    cfg = _job_cfg(tiny_model, tmp_path, "sync", steps=30, extra=("run.max_generated_tokens=150",))
+    summary = run_job(cfg, log=lambda *_: None)
+    spent = [
+        json.loads(x)["store/generated_tokens"] for x in (tmp_path / "sync" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert summary["token_budget_spent"] and summary["generated_tokens"] == spent[-1] >= 150
+    assert summary["rl_steps"] == len(spent) < 30 and all(n < 150 for n in spent[:-1])  # stopped at the first step over
 
 
 def test_checkpoint_resume_is_exact(tiny_model, tmp_path):

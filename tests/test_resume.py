@@ -230,3 +230,14 @@ def test_sigkill_trainer_three_times_then_resume_loses_nothing(tmp_path):
                 proc.wait()
 
     _assert_resumed_without_loss(run_dir, tmp_path)
+
+
+def test_a_resumed_run_counts_its_journal_against_the_token_budget(tmp_path):
+    from agentflow.resume import plan_resume
+
+    (tmp_path / "config.yaml").write_text("{}\n")
+    journal = Journal(tmp_path / "journal.jsonl")
+    journal.append([_traj("g0", 0), _traj("g0", 1)])  # one generated token each
+    journal.close()
+    state = plan_resume(tmp_path, lambda path: {}, group_size=2)  # no checkpoint yet: nothing to load
+    assert state.step == 0 and state.generated_tokens == 2 and [g.id for g in state.groups] == ["g0"]

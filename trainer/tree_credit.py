@@ -2,17 +2,19 @@
 
 A tree rollout (``rollout.tree``) plays a group's root episodes from the task's initial state, then branches: more
 continuations from the state after one of a root's turns. Each trained turn carries the id of the state it acted in
-(``Sample.turn_nodes``): a state reached by a shared prefix has one id for every trajectory through it.
+(``Sample.turn_nodes``): the exact context its action was generated from, so every trajectory of the group that
+reached that context (a branch through its shared prefix, or roots whose actions coincided so far) has the same id.
 
 The value of a state is the mean return of the trajectories through it, ``V(s)``; a turn's action leads from its
 state ``s`` to the next turn's state ``s'`` (or to the end of its own episode, whose value is its return). The
 turn's advantage is the sum of a *global* term ``V(s') - V(root)`` (how much better than the task's average the
 continuations after this action did: GRPO's advantage, with every continuation below the action averaged in) and a
 *local* term ``V(s') - V(s)`` (how much better than its siblings, the other actions taken from the same state), over
-the standard deviation of the group's returns. A turn that no branch shares gets ``R - mean`` from the global term
-and nothing from the local one, as under trajectory-level GRPO; where branches split, turns before the split are
-credited with the mean of all continuations below them (a lower-variance estimate), and the actions at the split
-are ranked against each other.
+the standard deviation of the group's returns. A turn whose state and next state no other trajectory shares gets
+``R - mean`` from the global term and nothing from the local one, as under trajectory-level GRPO; where trajectories
+part, turns before the split are credited with the mean of all continuations below them (a lower-variance
+estimate; turns every trajectory took alike get nothing), and the actions at the split are ranked against each
+other.
 
 How this departs from the papers: RTPO (sparse reverse trees) and AT2PO (turn-level trees with per-turn values)
 propagate outcome rewards to per-turn values as here, but RTPO's update is phased from the last turn to the first

@@ -10,7 +10,7 @@ from typing import Any
 import envs
 from agentflow.builder import Job, JobError, pin_threads, refuse_unsupported
 from agentflow.config import JobConfig
-from agentflow.controller import LoopResult, engine_counters
+from agentflow.controller import LoopResult, engine_counters, over_budget
 from agentflow.rollout import overlap_seconds
 from agentflow.types import SupervisedEngine
 
@@ -113,6 +113,8 @@ def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
         "mode": job.cfg.run.mode,
         "rl_steps": result.steps,
         "rl_wall_s": result.wall_s,
+        "generated_tokens": job.store.generated_tokens,
+        "token_budget_spent": over_budget(job.cfg, job.store.generated_tokens),  # stopped by run.max_generated_tokens
         "mean_staleness": sm["mean_staleness"],
         "max_staleness_seen": sm["max_staleness_seen"],
         "staleness_histogram": job.store.histogram(),

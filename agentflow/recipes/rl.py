@@ -99,6 +99,7 @@ async def _resume(job: Job, log: Log) -> ResumeState:
     if state.checkpoint is not None:
         await sync_weights(job.trainer, job.transport)
     job.store.restore(state.groups, job.trainer.version, state.fresh_groups, state.replayable)
+    job.store.generated_tokens = state.generated_tokens  # run.max_generated_tokens counts the first run's tokens
     n = sum(len(g.trajectories) for g in state.groups)
     log(
         f"resumed {job.run_dir} at step {state.step} from {state.checkpoint or 'the start (no checkpoint)'}: "
