@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import _path  # noqa: F401  (must come before the project's imports: see _path.py)
+from _agentic_workload import GRPO_JOB
 
 import envs
 from agentflow.config import load_config
@@ -89,6 +90,7 @@ def policy_model() -> Path:
 def run(name: str, model: Path, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     run_dir = out / name.replace("+", "-")
     overrides = [
+        *GRPO_JOB,
         f"model.path={model}",
         "sft.enabled=false",
         "env.id=bench/SlowTrail-v0",

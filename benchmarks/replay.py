@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import _path  # noqa: F401  (must come before the project's imports: see _path.py)
+from _agentic_workload import GRPO_JOB
 from async_vs_sync import TINY, SlowCalc, demo_policy
 
 import envs
@@ -57,7 +58,9 @@ def _overrides(args: argparse.Namespace, setting: str, seed: int, run_dir: Path,
     ]
     if args.workload == "demo":
         o += ["env.id=bench/SlowCalc-v0", "env.kwargs={median_s: 0.3}", "sft.enabled=false", f"model.path={model}"]
-    elif model is not None:  # agentic --quick
+    else:  # the job as the benchmarks measure it (GRPO), this run's steps
+        o = [*GRPO_JOB, *o]
+    if args.workload == "agentic" and model is not None:  # agentic --quick
         o += [f"model.path={model}", "sft.enabled=false", "env.kwargs={task_types: [short]}"]
     if args.quick:
         o += ["store.batch_groups=2", "rollout.group_size=4", "trainer.drop_uniform_groups=false"]

@@ -50,9 +50,10 @@ def methods(group_size: int, select: str = "disagree", branches: int | None = No
     chosen by ``select``."""
     half = max(1, group_size // 2)
     return {
-        "grpo": [],
+        "grpo": ["trainer.turn_credit=false", "trainer.turn_phases=null"],
         "turn": ["trainer.turn_credit=true", f"trainer.turn_phases={PHASES}"],
         "tree": [
+            "trainer.turn_credit=false",
             f"rollout.group_size={half}",
             f"rollout.tree.branches={group_size - half if branches is None else branches}",
             f"rollout.tree.select={select}",
