@@ -12,8 +12,8 @@ Every method starts from the same warmed-up policy; held-out success (``--eval-e
 
 A branch starts mid-episode, so the tree method generates fewer tokens per step. ``--tokens`` gives every run the
 same budget of generated tokens (``run.max_generated_tokens``; ``--steps`` is then only a cap), so the tree makes
-more steps; the comparison at equal tokens takes each run's success at the smallest final token count among the
-methods of a seed (linear between evaluations). Writes ``benchmarks/results/turn_credit.json`` (one section per
+more steps; the comparison at equal tokens takes each run's success at the smallest final token count of any run
+(``equal_tokens``; linear between evaluations). Writes ``benchmarks/results/turn_credit.json`` (one section per
 workload) and ``turn_credit.png``.
 
     .venv/bin/python benchmarks/turn_credit.py --workload agentic --seeds 0 1 2 --tokens 300000 --steps 200
@@ -83,7 +83,8 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
     evals += [{k: e[k] for k in ("step", "success", "generated_tokens", "rl_s")} for e in s["evals"]]
     return {"success_before_rl": s["success_before_rl"], "success_after_rl": s["success_after_rl"],
             "rl_wall_s": s["rl_wall_s"], "evals": evals, "tree": s.get("tree"), "rl_steps": s["rl_steps"],
-            "token_budget": args.tokens, "generated_tokens": s["generated_tokens"]}  # fmt: skip
+            "token_budget": args.tokens, "generated_tokens": s["generated_tokens"],
+            "per_type_after_rl": s["per_type_after_rl"]}  # fmt: skip
 
 
 def at_tokens(evals: list[dict[str, Any]], tokens: float) -> float:
@@ -101,8 +102,10 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     out: dict[str, Any] = {"seeds": seeds, "methods": {}}
     for m, by_seed in runs.items():
         out["methods"][m] = {"final_success_mean": statistics.fmean(by_seed[s]["success_after_rl"] for s in seeds)}
+    # one token count for every seed and method: the fewest any run reached (runs of other budgets are read there)
+    equal = min(runs[m][s]["evals"][-1]["generated_tokens"] for m in runs for s in seeds)
+    out["equal_tokens"] = equal
     for s in seeds:
-        equal = min(runs[m][s]["evals"][-1]["generated_tokens"] for m in runs)
         for m in runs:
             runs[m][s]["success_at_equal_tokens"] = at_tokens(runs[m][s]["evals"], equal)
     for m in runs:
