@@ -87,6 +87,16 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
             "per_type_after_rl": s["per_type_after_rl"]}  # fmt: skip
 
 
+def curve(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """A run's evaluations, ending with its final one (after the last step, at its final token count) when the last
+    periodic evaluation came before it (a run stopped by its token budget between evaluations)."""
+    evals = run["evals"]
+    if run.get("generated_tokens", 0) > evals[-1]["generated_tokens"]:
+        evals = [*evals, {"step": run["rl_steps"], "success": run["success_after_rl"],
+                          "generated_tokens": run["generated_tokens"]}]  # fmt: skip
+    return evals
+
+
 def at_tokens(evals: list[dict[str, Any]], tokens: float) -> float:
     """Held-out success at ``tokens`` generated tokens, linear between evaluations."""
     for a, b in zip(evals, evals[1:], strict=False):
@@ -103,11 +113,11 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     for m, by_seed in runs.items():
         out["methods"][m] = {"final_success_mean": statistics.fmean(by_seed[s]["success_after_rl"] for s in seeds)}
     # one token count for every seed and method: the fewest any run reached (runs of other budgets are read there)
-    equal = min(runs[m][s]["evals"][-1]["generated_tokens"] for m in runs for s in seeds)
+    equal = min(curve(runs[m][s])[-1]["generated_tokens"] for m in runs for s in seeds)
     out["equal_tokens"] = equal
     for s in seeds:
         for m in runs:
-            runs[m][s]["success_at_equal_tokens"] = at_tokens(runs[m][s]["evals"], equal)
+            runs[m][s]["success_at_equal_tokens"] = at_tokens(curve(runs[m][s]), equal)
     for m in runs:
         out["methods"][m]["success_at_equal_tokens_mean"] = statistics.fmean(
             runs[m][s]["success_at_equal_tokens"] for s in seeds
@@ -126,8 +136,9 @@ def plot(table: dict[str, Any], path: Path) -> None:
     for ax, (workload, t) in zip(axes[0], table.items(), strict=True):
         for m, by_seed in t["runs"].items():
             for s, r in by_seed.items():
-                xs = [e["generated_tokens"] for e in r["evals"]]
-                ax.plot(xs, [e["success"] for e in r["evals"]], marker=".", label=f"{m} s{s}")
+                points = curve(r)
+                xs = [e["generated_tokens"] for e in points]
+                ax.plot(xs, [e["success"] for e in points], marker=".", label=f"{m} s{s}")
         ax.set_xlabel("generated model tokens")
         ax.set_ylabel("held-out success")
         ax.set_title(workload)
@@ -155,11 +166,14 @@ def main() -> None:
     ap.add_argument("--tree-select", choices=SELECT, default="disagree", help="where the tree branches")
     ap.add_argument("--tree-branches", type=int, default=None, help="branches per group (default: half the roots)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--report", action="store_true", help="only rewrite the table and plot from the stored runs")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--runs", default="runs")
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.steps, args.eval_every, args.eval_episodes = [0], 2, 1, 4
+    if args.report:
+        args.seeds = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("turn_credit_quick.json" if args.quick else "turn_credit.json")
@@ -167,6 +181,9 @@ def main() -> None:
     runs: dict[str, dict[int, dict[str, Any]]] = {m: {} for m in methods(8)}
     for m, by_seed in table.get(args.workload, {}).get("runs", {}).items():  # runs kept from an earlier invocation
         runs.setdefault(m, {}).update({int(s): r for s, r in by_seed.items()})
+    if args.report and any(runs.values()):
+        table[args.workload] = summarize({k: v for k, v in runs.items() if v})
+        path.write_text(json.dumps(table, indent=2, default=str))
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / "model", TINY, env_ids=["agentflow/Calc-v0"]) if args.quick else None
         if args.quick:
