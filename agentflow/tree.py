@@ -34,7 +34,7 @@ SELECT = ("uniform", "last_first", "surprisal", "disagree")
 @dataclass(frozen=True)
 class TreeSpec:
     branches: int
-    select: str = "uniform"
+    select: str = "disagree"
     max_tokens: int | None = None
 
 
