@@ -69,8 +69,9 @@ def branch_points(roots: list[Trajectory], spec: TreeSpec, seed: int) -> list[tu
     elif spec.select == "last_first":
         cands.sort(key=lambda rk: -rk[1])  # stable: roots in order within a depth
     elif spec.select == "disagree":
-        spread = _disagreement(roots)
-        cands.sort(key=lambda rk: (-spread[_state(*rk)], -_surprisal(*rk)))
+        states = {id(r): state_keys(r) for r in roots if len(r.segments) == 1}
+        spread = _disagreement(roots, states)
+        cands.sort(key=lambda rk: (-spread[states[id(rk[0])][rk[1]]], -_surprisal(*rk)))
     else:
         cands.sort(key=lambda rk: -_surprisal(*rk))
     used = sum(model_tokens(r) for r in roots)
@@ -86,25 +87,25 @@ def branch_points(roots: list[Trajectory], spec: TreeSpec, seed: int) -> list[tu
     return picked
 
 
-def _digest(ids: list[int]) -> str:
-    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=10).hexdigest()
+def state_keys(traj: Trajectory) -> list[str]:
+    """Per turn of a one-segment trajectory, a digest of the context it acted in (one pass over the tokens: each
+    turn's digest extends the previous one's)."""
+    ids, h, done, out = traj.segments[0].token_ids, hashlib.blake2b(digest_size=10), 0, []
+    for t in traj.turns:
+        h.update(array("q", ids[done : t.span[0]]).tobytes())
+        done = t.span[0]
+        out.append(h.copy().hexdigest())
+    return out
 
 
-def _state(root: Trajectory, k: int) -> str:
-    """The context turn ``k`` of a one-segment trajectory acted in, as a key."""
-    return _digest(root.segments[0].token_ids[: root.turns[k].span[0]])
-
-
-def _disagreement(roots: list[Trajectory]) -> dict[str, int]:
-    """State -> how many different actions the roots took there."""
+def _disagreement(roots: list[Trajectory], states: dict[int, list[str]]) -> dict[str, int]:
+    """State -> how many different actions the roots took there (``states``: each root's :func:`state_keys`)."""
     actions: dict[str, set[tuple[int, ...]]] = defaultdict(set)
     for r in roots:
-        if len(r.segments) != 1:
-            continue
-        for k, t in enumerate(r.turns):
+        for key, t in zip(states.get(id(r), []), r.turns, strict=False):
             a, b = t.span
-            actions[_state(r, k)].add(tuple(r.segments[0].token_ids[a:b]))
-    return defaultdict(int, {s: len(acts) for s, acts in actions.items()})
+            actions[key].add(tuple(r.segments[0].token_ids[a:b]))
+    return defaultdict(int, {key: len(acts) for key, acts in actions.items()})
 
 
 def turn_nodes(traj: Trajectory, turn_indices: list[int]) -> list[str]:
@@ -115,9 +116,8 @@ def turn_nodes(traj: Trajectory, turn_indices: list[int]) -> list[str]:
     one segment (its context compacted or cut) keys its turns by its own id instead: the group's initial state for
     turn 0, the root's state for a branch's shared turns and its branch point, else the trajectory's own."""
     if len(traj.segments) == 1:
-        by_index = {t.index: t for t in traj.turns}
-        ids = traj.segments[0].token_ids
-        return [f"{traj.group_id}:{_digest(ids[: by_index[j].span[0]])}" for j in turn_indices]
+        by_index = dict(zip((t.index for t in traj.turns), state_keys(traj), strict=True))
+        return [f"{traj.group_id}:{by_index[j]}" for j in turn_indices]
     parent, at = traj.info.get("branch_of"), traj.info.get("branch_turn")
     out = []
     for j in turn_indices:
