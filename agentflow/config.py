@@ -245,6 +245,11 @@ class SFTConfig(Section):
     or ``patience``). The LR schedule still spans ``max_epochs``, so stopping early ends it before its decay."""
     lr: float = Field(1e-3, gt=0)
     """SFT learning rate."""
+    observation_weight: float = Field(0.0, ge=0, le=1)
+    """Weight of the prompt's and the environment's tokens in the training loss, against 1 for the expert's actions
+    (0: actions only). A model made from scratch has read nothing but these traces, and its actions are a few
+    dozen tokens an episode against hundreds of observation tokens, which repeat the task and the screen turn after
+    turn; weighing them in gives it more to learn its context from. Validation loss stays on the actions alone."""
     batch_size: int = Field(16, ge=1)
     """Sequences per SFT step."""
     warmup_steps_max: int = Field(50, ge=0)

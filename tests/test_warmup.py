@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agentflow.recipes.warmup import Imitation, train_epochs
+import pytest
+
+from agentflow.recipes.warmup import Imitation, train_epochs, weigh_observations
+from trainer.batching import make_micro_batches
 from trainer.types import Sample
 
 
@@ -46,3 +49,13 @@ def test_without_stop_val_loss_patience_decides(tmp_path):
     group = ScriptedLosses([5.0, 0.5, 0.14, 0.019, 0.03, 0.02, 0.01])
     report = train_epochs(group, SAMPLES, SAMPLES, _how(), 0, tmp_path, lambda _: None)
     assert report["epochs"] == 5 and report["best_val_loss"] == 0.019 and len(group.saved) == 3
+
+
+def test_observation_weight_puts_the_environments_tokens_in_the_loss_at_that_weight():
+    sample = Sample([5, 6, 7, 8, 9], [0, 0, 1, 1, 0], [0.0] * 5)
+    weighted = weigh_observations(sample, 0.25)
+    assert weighted.loss_mask == [0.25, 0.25, 1.0, 1.0, 0.25] and sample.loss_mask == [0, 0, 1, 1, 0]
+    (mb,) = make_micro_batches([weighted], [0.0], token_budget=64)
+    # position t of the mask weighs the prediction of token t+1: the first token is never predicted
+    assert mb.target_mask.tolist() == [[pytest.approx(0.25), 1.0, 1.0, pytest.approx(0.25)]]
+    assert mb.num_tokens == 2  # the loss's denominator: 2.5 weighted tokens, counted whole

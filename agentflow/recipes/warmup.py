@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +122,11 @@ def cache_key(cfg: JobConfig, base_dir: Path) -> str:
         h.update(name.encode())
         h.update(hashlib.sha256((base_dir / name).read_bytes()).digest())
     expert, name = require_expert(cfg)
-    h.update(Path(str(sys.modules[expert.__module__].__file__)).read_bytes())  # the expert's code decides the traces
+    entry = envs.spec(cfg.env.id).entry_point
+    env_module = entry.split(":")[0] if isinstance(entry, str) else entry.__module__
+    for module in (expert.__module__, env_module):  # the expert's and the env's code decide the traces
+        __import__(module)
+        h.update(Path(str(sys.modules[module].__file__)).read_bytes())
     # thread count does not change the result's meaning; an unset optional key (None) keys as if it did not exist
     sft = cfg.sft.model_dump(exclude={"threads", "expert"}, exclude_none=True)
     trainer = cfg.trainer.model_dump(include=IMITATION_TRAINER_KEYS)
@@ -147,6 +151,8 @@ def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str
     train, expert_success = expert_samples(cfg, tok, range(cfg.sft.episodes), "train")
     val, _ = expert_samples(cfg, tok, range(10_000_000, 10_000_000 + cfg.sft.val_episodes), "train")
     s = cfg.sft
+    if s.observation_weight > 0:
+        train = [weigh_observations(x, s.observation_weight) for x in train]
     how = Imitation(
         s.lr, s.max_epochs, s.batch_size, s.patience, s.threads, s.warmup_steps_max, stop_val_loss=s.stop_val_loss
     )
@@ -154,6 +160,12 @@ def run_sft(cfg: JobConfig, base_dir: Path, cache_root: Path, log: Callable[[str
     report["expert_success_train"] = expert_success
     (out / "sft_report.json").write_text(json.dumps(report, indent=2))
     return out
+
+
+def weigh_observations(sample: Sample, weight: float) -> Sample:
+    """``sample`` with its non-model tokens in the loss at ``weight`` (the model's own tokens stay at 1)."""
+    mask: list[float] = [1.0 if m else weight for m in sample.loss_mask]
+    return replace(sample, loss_mask=mask)  # type: ignore[arg-type]  # only the NLL loss reads a fractional mask
 
 
 @dataclass(frozen=True)
