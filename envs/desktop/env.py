@@ -1,10 +1,13 @@
 """``agentflow/Desktop-v0``: Tk apps on the env's own Xvfb display, driven through XTEST.
 
-Observation: the app's widget tree as text (class, name, text or value, and the screen centre to click), plus a
-PNG screenshot of the display in the info's ``"images"``. Tools: ``click(x, y, button, double)``,
-``type_text(text)``, ``key(combo)``. Answering ends the episode; the verifier reads the app's state over its control
-socket. Each episode starts the task's app afresh (awaited, so a starting app holds no thread). A dead X server or
-app raises :class:`~envs.errors.EnvCrashedError`; the next reset starts a new X server.
+Observation: the app's widget tree as text (class, name, text or value, and the screen centre to click) followed by
+the task, plus a PNG screenshot of the display in the info's ``"images"``. The task closes every observation, as a
+goal restated each step does in web-agent benchmarks: the agent reads the numbers and words it must enter next to
+where it acts, not past a screenful of widgets (whose coordinates are numbers too). Tools:
+``click(x, y, button, double)``, ``type_text(text)``, ``key(combo)``. Answering ends the episode; the verifier reads
+the app's state over its control socket. Each episode starts the task's app afresh (awaited, so a starting app holds
+no thread). A dead X server or app raises :class:`~envs.errors.EnvCrashedError`; the next reset starts a new X
+server.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ class DesktopEnv(ScreenEnv):
         await self._stop_app()
         await self._ensure_x()
         await self._start_app(self.task)
-        return f"Task: {self.task.prompt}\n{await self._observe()}", info
+        return await self._observe(), info
 
     async def atool(self, name: str, arguments: dict[str, Any]) -> str:
         """Send the input through XTEST, then observe."""
@@ -251,7 +254,8 @@ class DesktopEnv(ScreenEnv):
             cx, cy = x + width // 2, y + height // 2
             lines.append(f'{"  " * w["depth"]}- {w["class"]} "{w["name"]}"{text} center ({cx}, {cy}){focus}')
         self.last_observation = "\n".join(lines)
-        return self.last_observation
+        task = f"\nTask: {self.task.prompt}" if self.task is not None else ""
+        return self.last_observation + task
 
     def _raise_if_crashed(self, cause: BaseException | None) -> None:
         if self.xvfb.proc is not None and not self.xvfb.alive:

@@ -2,9 +2,11 @@
 
 Task types: ``calculator`` (compute an expression with the calculator: the app's last evaluation must be exactly
 that expression with the right value), ``editor`` (type lines into the editor and save under a file name: the
-app's saved files must hold exactly that text) and ``total`` (add up three or four amounts with the calculator,
-checked like ``calculator``). The expert clicks at the centres the widget tree gives and types through the keyboard,
-as an agent would.
+app's saved files must hold exactly that text) and ``total`` (add up three amounts with the calculator, checked
+like ``calculator``). Expressions are three two-digit numbers with spaces around the operators, at the end of the
+prompt, and are typed as shown (the check ignores spaces): entering one copies the prompt's last tokens verbatim,
+from the same distance every time (the task closes each observation). The expert clicks at the centres the widget tree
+gives and types through the keyboard, as an agent would.
 
 The expert is right on ``calculator`` and ``editor`` and fails every ``total`` task, never by chance: it misreads the
 last digit of the last amount as another digit (a hash of the task picks which, so a model imitating it cannot
@@ -49,18 +51,20 @@ def make_task(task_seed: int, split: str, task_type: str | None = None) -> Deskt
         raise ValueError(f"unknown desktop task type {kind!r}; expected one of {TASK_TYPES}")
     tid = f"desktop-{split}-{task_seed}"
     if kind == "calculator":
-        a, b, c = rng.randint(10, 99), rng.randint(2, 30), rng.randint(1, 99)
+        a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(10, 99)
         op1, op2 = rng.choice("+-*"), rng.choice("+-")
-        expr = f"{a}{op1}{b}{op2}{c}"
-        value = format_number(evaluate(expr))
-        prompt = f"Use the calculator to compute {a} {op1} {b} {op2} {c} (enter it and press =)."
-        return DesktopTask(tid, kind, prompt, "calculator", goal={"expression": expr, "result": value})
+        shown = f"{a} {op1} {b} {op2} {c}"
+        value = format_number(evaluate(shown))
+        prompt = f"Use the calculator to compute this expression (enter it and press =): {shown}"
+        goal = {"expression": shown.replace(" ", ""), "result": value, "shown": shown}
+        return DesktopTask(tid, kind, prompt, "calculator", goal=goal)
     if kind == "total":
-        amounts = [str(rng.randint(10, 99)) for _ in range(rng.randint(3, 4))]
-        expr = "+".join(amounts)
-        value = format_number(evaluate(expr))
-        prompt = f"Add up {', '.join(amounts[:-1])} and {amounts[-1]} with the calculator (enter the sum and press =)."
-        return DesktopTask(tid, kind, prompt, "calculator", goal={"expression": expr, "result": value})
+        amounts = [str(rng.randint(10, 99)) for _ in range(3)]
+        shown = " + ".join(amounts)
+        value = format_number(evaluate(shown))
+        prompt = f"Add up these amounts with the calculator (enter the sum and press =): {shown}"
+        goal = {"expression": shown.replace(" ", ""), "result": value, "shown": shown}
+        return DesktopTask(tid, kind, prompt, "calculator", goal=goal)
     lines = [" ".join(rng.sample(_WORDS, 3)) for _ in range(rng.randint(1, 2))]
     name = f"{rng.choice(_WORDS)}-{rng.randint(1, 99)}.txt"
     start = rng.choice(["", "notes:\n"])
@@ -103,7 +107,7 @@ def expert_plan(task: DesktopTask) -> list[tuple[str, Any]]:
     """The expert's steps for ``task``: ("click", widget name), ("type", text) or ("key", combo). They solve every
     task but a ``total``, where the last amount's last digit is misread."""
     if task.app == "calculator":
-        typed = task.goal["expression"]
+        typed = task.goal["shown"]  # as the prompt shows it (the calculator ignores spaces): a verbatim copy
         if task.task_type in EXPERT_FAILS:
             typed = misread(typed, task_hash("desktop-total", task.task_id))
         return [("click", "display"), ("type", typed), ("click", "equals")]
