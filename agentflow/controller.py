@@ -272,13 +272,15 @@ KV_COUNTERS = (
 """Prefix-cache counters an engine reports (the embedded one), cumulative since it started."""
 
 
-def engine_counters(engine: object) -> dict[str, float]:
-    """:data:`KV_COUNTERS` from ``engine.stats()`` where it has them all (else empty)."""
-    stats = getattr(engine, "stats", None)
-    counters = stats() if callable(stats) else None
-    if not isinstance(counters, dict) or not all(k in counters for k in KV_COUNTERS):
+def engine_counters(engine: object, stats: object = None) -> dict[str, float]:
+    """:data:`KV_COUNTERS` from ``engine.stats()`` (or ``stats``, when the caller has read them already) where it
+    has them all (else empty)."""
+    if stats is None:
+        read = getattr(engine, "stats", None)
+        stats = read() if callable(read) else None
+    if not isinstance(stats, dict) or not all(k in stats for k in KV_COUNTERS):
         return {}
-    return {k: float(counters[k]) for k in KV_COUNTERS}
+    return {k: float(stats[k]) for k in KV_COUNTERS}
 
 
 def batch_metrics(groups: list[Group]) -> dict[str, float]:

@@ -380,7 +380,8 @@ async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
     )
 
 
-def _reuse(engines: list[Any]) -> float | None:
+def _reuse(engines: Sequence[SimEngine]) -> float | None:
+    """Share of the simulated prompts' tokens the engines' prefix caches supplied (None: no prompts)."""
     prompt = sum(e.prompt_tokens for e in engines)
     return 1 - sum(e.prefilled for e in engines) / prompt if prompt else None
 

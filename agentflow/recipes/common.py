@@ -162,12 +162,12 @@ def kv_cache_summary(job: Job) -> dict[str, Any]:
     e = job.cfg.engine
     out: dict[str, Any] = {"kv_on_update": e.kv_on_update, "kv_max_age": e.kv_max_age, "admission": e.admission,
                            "kv_spill_bytes": e.kv_spill_bytes}  # fmt: skip
-    counters = engine_counters(job.engine)
-    if counters:
+    stats = job.engine.stats() if callable(getattr(job.engine, "stats", None)) else None  # type: ignore[attr-defined]
+    counters = engine_counters(job.engine, stats)
+    if counters and isinstance(stats, dict):
         out.update({k: int(v) for k, v in counters.items()})
         prompt_tokens = out["prefill_tokens"] + out["prefix_tokens_reused"]  # each prompt token: computed or reused
         out["reused_over_prompt_tokens"] = out["prefix_tokens_reused"] / prompt_tokens if prompt_tokens else 0.0
-        stats = job.engine.stats()  # type: ignore[attr-defined]
         out["kv_ttl_s"] = stats.get("kv_ttl_s")
         out["versions_served"] = stats.get("versions_served")  # rollout.partial pin: the versions held at the end
         out["held_weights_bytes"] = stats.get("held_weights_bytes")
