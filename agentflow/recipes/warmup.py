@@ -5,7 +5,8 @@ another; a job with neither is refused before it starts (:func:`require_expert`)
 
 Traces are played against the real environment (real sandbox) and tokenized with the same incremental chat format
 the agent uses, so the warm-up model sees exactly the token layout it will generate in RL. The cache key is a hash
-of everything that determines the result (base model files, SFT settings, env id and kwargs, trainer seed).
+of everything that determines the result (base model files, SFT settings, env id and kwargs, the expert's and the
+env's modules, trainer seed).
 """
 
 from __future__ import annotations
