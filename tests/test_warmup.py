@@ -59,3 +59,20 @@ def test_observation_weight_puts_the_environments_tokens_in_the_loss_at_that_wei
     # position t of the mask weighs the prediction of token t+1: the first token is never predicted
     assert mb.target_mask.tolist() == [[pytest.approx(0.25), 1.0, 1.0, pytest.approx(0.25)]]
     assert mb.num_tokens == 2  # the loss's denominator: 2.5 weighted tokens, counted whole
+
+
+def test_the_cache_key_reads_the_source_of_modules_with_and_without_a_file():
+    import sys
+    import types
+
+    from agentflow.recipes import warmup
+
+    assert (
+        warmup._module_source("envs.desktop.env")
+        == Path(__file__).parents[1].joinpath("envs/desktop/env.py").read_bytes()
+    )
+    sys.modules["agentflow_test_no_file"] = types.ModuleType("agentflow_test_no_file")  # as a notebook's module
+    try:
+        assert warmup._module_source("agentflow_test_no_file") == b"agentflow_test_no_file"
+    finally:
+        del sys.modules["agentflow_test_no_file"]

@@ -126,14 +126,21 @@ def cache_key(cfg: JobConfig, base_dir: Path) -> str:
     entry = envs.spec(cfg.env.id).entry_point
     env_module = entry.split(":")[0] if isinstance(entry, str) else entry.__module__
     for module in (expert.__module__, env_module):  # the expert's and the env's code decide the traces
-        __import__(module)
-        h.update(Path(str(sys.modules[module].__file__)).read_bytes())
+        h.update(_module_source(module))
     # thread count does not change the result's meaning; an unset optional key (None) keys as if it did not exist
     sft = cfg.sft.model_dump(exclude={"threads", "expert"}, exclude_none=True)
     trainer = cfg.trainer.model_dump(include=IMITATION_TRAINER_KEYS)
     payload = {"sft": sft, "expert": name, "env": cfg.env.model_dump(), "trainer": trainer, "v": 4}
     h.update(json.dumps(payload, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def _module_source(module: str) -> bytes:
+    """The source of ``module`` (imported if need be), or its name where it has no file (a notebook's
+    ``__main__``): such a module's changes cannot be seen, so they do not invalidate the cache."""
+    __import__(module)
+    path = getattr(sys.modules[module], "__file__", None)
+    return Path(path).read_bytes() if path and Path(path).is_file() else module.encode()
 
 
 IMITATION_TRAINER_KEYS = {"seed", "weight_decay", "grad_clip", "micro_batch_tokens", "tp", "dp"}
