@@ -116,6 +116,48 @@ def test_the_observation_is_the_apps_widget_tree(env):
     assert 'Entry "display" "36"' in obs
 
 
+def test_changes_observation_lists_only_what_changed():
+    """``observation="changes"``: the first screen is the whole tree, later ones the widgets whose line changed,
+    each line as the whole tree shows it; the expert still solves the task from it, and the env passes its check."""
+    require_desktop()
+    from envs.checker import check_agent_env
+    from envs.desktop.env import DesktopEnv
+    from envs.desktop.tasks import find_center
+
+    env = DesktopEnv(observation="changes")
+    try:
+        obs, _ = env.reset(seed=0, options={"task_type": "calculator"})
+        assert 'Button "equals" "=" center (' in obs and "changed widgets" not in obs
+        obs, *_ = env.step(tool_action("click", dict(zip("xy", find_center(obs, "display"), strict=True))))
+        head, *lines, task = obs.splitlines()
+        assert head == "Window: Calculator (changed widgets; the rest as before)"
+        assert lines == [line for line in env.last_observation.splitlines() if '"display"' in line]
+        assert lines[0].endswith("[focused]") and task.startswith("Task: ")
+        obs, *_ = env.step(tool_action("type_text", {"text": "12*3"}))
+        assert obs.splitlines()[1].startswith('- Entry "display" "12*3" center (')
+        obs, *_ = env.step(tool_action("key", {"combo": "Shift_L"}))  # a modifier alone changes nothing
+        assert obs.splitlines()[0] == "Window: Calculator (no change)"
+        assert play_expert(env, 1, "calculator")[0] == 1.0 and play_expert(env, 1, "editor")[0] == 1.0
+        check_agent_env(env)
+    finally:
+        env.close()
+    with pytest.raises(ValueError, match="observation 'pixels'"):
+        DesktopEnv(observation="pixels")  # type: ignore[arg-type]
+
+
+def test_changes_text_reports_new_changed_and_gone_widgets():
+    from envs.desktop.env import changes_text
+
+    before = ['- Button "ok" "OK" center (10, 10)', '- Entry "name" center (50, 10) [focused]']
+    after = ['- Entry "name" "a \\"b\\"" center (50, 10) [focused]', '- Label "new" "hi" center (5, 5)']
+    assert changes_text("W", before, after).splitlines() == [
+        "Window: W (changed widgets; the rest as before)",
+        *after,
+        '- Button "ok" [gone]',
+    ]
+    assert changes_text("W", before, before) == "Window: W (no change)"
+
+
 def test_check_env_passes(env):
     from envs.checker import check_agent_env
 
