@@ -54,17 +54,12 @@ def make_task(task_seed: int, split: str, task_type: str | None = None) -> Deskt
         a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(10, 99)
         op1, op2 = rng.choice("+-*"), rng.choice("+-")
         shown = f"{a} {op1} {b} {op2} {c}"
-        value = format_number(evaluate(shown))
-        prompt = f"Use the calculator to compute this expression (enter it and press =): {shown}"
-        goal = {"expression": shown.replace(" ", ""), "result": value, "shown": shown}
-        return DesktopTask(tid, kind, prompt, "calculator", goal=goal)
+        return _calculator_task(tid, kind, "Use the calculator to compute this expression (enter it and press =)",
+                                shown)  # fmt: skip
     if kind == "total":
-        amounts = [str(rng.randint(10, 99)) for _ in range(3)]
-        shown = " + ".join(amounts)
-        value = format_number(evaluate(shown))
-        prompt = f"Add up these amounts with the calculator (enter the sum and press =): {shown}"
-        goal = {"expression": shown.replace(" ", ""), "result": value, "shown": shown}
-        return DesktopTask(tid, kind, prompt, "calculator", goal=goal)
+        shown = " + ".join(str(rng.randint(10, 99)) for _ in range(3))
+        return _calculator_task(tid, kind, "Add up these amounts with the calculator (enter the sum and press =)",
+                                shown)  # fmt: skip
     lines = [" ".join(rng.sample(_WORDS, 3)) for _ in range(rng.randint(1, 2))]
     name = f"{rng.choice(_WORDS)}-{rng.randint(1, 99)}.txt"
     start = rng.choice(["", "notes:\n"])
@@ -73,6 +68,12 @@ def make_task(task_seed: int, split: str, task_type: str | None = None) -> Deskt
     prefix = "After the existing text, type" if start else "Type"
     prompt = f"{prefix} the line(s) {shown} in the editor and save the file as {name!r}."
     return DesktopTask(tid, kind, prompt, "editor", init={"text": start}, goal={"filename": name, "text": text})
+
+
+def _calculator_task(tid: str, kind: str, ask: str, shown: str) -> DesktopTask:
+    """A calculator task whose expression ``shown`` ends the prompt and must be entered and evaluated."""
+    goal = {"expression": shown.replace(" ", ""), "result": format_number(evaluate(shown)), "shown": shown}
+    return DesktopTask(tid, kind, f"{ask}: {shown}", "calculator", goal=goal)
 
 
 def check_state(task: DesktopTask, state: dict[str, Any]) -> dict[str, bool]:
