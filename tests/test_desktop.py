@@ -145,14 +145,22 @@ def test_changes_observation_lists_only_what_changed():
         DesktopEnv(observation="pixels")  # type: ignore[arg-type]
 
 
-def test_changes_text_reports_new_changed_and_gone_widgets():
-    from envs.desktop.env import changes_text
+def _widget(cls: str, name: str, text: str, focus: str) -> dict:
+    return {"class": cls, "name": name, "text": text, "focus": bool(focus), "depth": 0, "box": (40, 5, 20, 10)}
 
-    before = ['- Button "ok" "OK" center (10, 10)', '- Entry "name" center (50, 10) [focused]']
-    after = ['- Entry "name" "a \\"b\\"" center (50, 10) [focused]', '- Label "new" "hi" center (5, 5)']
+
+def test_changes_text_reports_new_changed_and_gone_widgets():
+    from envs.desktop.env import changes_text, widget_head, widget_line
+
+    def screen(*widgets: tuple[str, str, str, str]) -> list[tuple[str, str]]:
+        return [(widget_head(w), widget_line(w)) for w in (_widget(*x) for x in widgets)]
+
+    before = screen(("Button", "ok", "OK", ""), ("Entry", 'say "hi"', "", "focus"))
+    after = screen(("Entry", 'say "hi"', 'a "b"', "focus"), ("Label", "new", "hi", ""))
     assert changes_text("W", before, after).splitlines() == [
         "Window: W (changed widgets; the rest as before)",
-        *after,
+        '- Entry "say "hi"" "a \\"b\\"" center (50, 10) [focused]',
+        '- Label "new" "hi" center (50, 10)',
         '- Button "ok" [gone]',
     ]
     assert changes_text("W", before, before) == "Window: W (no change)"

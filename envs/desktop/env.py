@@ -103,7 +103,7 @@ class DesktopEnv(ScreenEnv):
         if observation not in OBSERVATIONS:
             raise ValueError(f"unknown Desktop-v0 observation {observation!r}; expected one of {OBSERVATIONS}")
         self.split, self.task_set, self.observation = split, task_set, observation
-        self._shown: tuple[str, list[str]] | None = None
+        self._shown: tuple[str, Widgets] | None = None
         """The window title and widget lines the agent saw last (``changes`` reports against them)."""
         self.xvfb = Xvfb()
         self.x_restarts = 0
@@ -263,12 +263,12 @@ class DesktopEnv(ScreenEnv):
             self._raise_if_crashed(e)
             raise EnvError(f"screenshot failed: {e}") from e
         title = str(tree["title"])
-        lines = [widget_line(w) for w in tree["widgets"]]
-        self.last_observation = "\n".join([f"Window: {title}", *lines])  # the whole tree, whatever the agent sees
+        widgets = [(widget_head(w), widget_line(w)) for w in tree["widgets"]]
+        self.last_observation = "\n".join([f"Window: {title}", *(line for _, line in widgets)])  # the whole tree
         shown = self.last_observation
         if self.observation == "changes" and self._shown is not None and self._shown[0] == title:
-            shown = changes_text(title, self._shown[1], lines)
-        self._shown = (title, lines)
+            shown = changes_text(title, self._shown[1], widgets)
+        self._shown = (title, widgets)
         task = f"\nTask: {self.task.prompt}" if self.task is not None else ""
         return shown + task
 
@@ -324,28 +324,30 @@ class DesktopEnv(ScreenEnv):
         super().close()
 
 
+Widgets = list[tuple[str, str]]
+"""A screen's widgets in tree order, each as (:func:`widget_head`, :func:`widget_line`)."""
+
+
+def widget_head(w: dict[str, Any]) -> str:
+    """What identifies a widget from one screen to the next: its indent (depth), class and name."""
+    return f'{"  " * w["depth"]}- {w["class"]} "{w["name"]}"'
+
+
 def widget_line(w: dict[str, Any]) -> str:
     """One widget of the app's tree as the agent reads it: class, name, text, the centre to click, focus."""
     x, y, width, height = w["box"]
     text = f" {json.dumps(w['text'], ensure_ascii=False)}" if w["text"] else ""
     focus = " [focused]" if w["focus"] else ""
-    return f'{"  " * w["depth"]}- {w["class"]} "{w["name"]}"{text} center ({x + width // 2}, {y + height // 2}){focus}'
+    return f"{widget_head(w)}{text} center ({x + width // 2}, {y + height // 2}){focus}"
 
 
-def changes_text(title: str, before: list[str], after: list[str]) -> str:
+def changes_text(title: str, before: Widgets, after: Widgets) -> str:
     """What changed between two screens of the same window: widgets whose line is new or different, in tree
-    order, then those no longer there (by name, marked ``[gone]``)."""
-    old = set(before)
-    changed = [line for line in after if line not in old]
-    heads_now = {_widget_head(line) for line in after}
-    gone = [f"{_widget_head(line)} [gone]" for line in before if _widget_head(line) not in heads_now]
+    order, then those no longer there (by head, marked ``[gone]``)."""
+    old = {line for _, line in before}
+    changed = [line for _, line in after if line not in old]
+    heads_now = {head for head, _ in after}
+    gone = [f"{head} [gone]" for head, _ in before if head not in heads_now]
     if not changed and not gone:
         return f"Window: {title} (no change)"
     return "\n".join([f"Window: {title} (changed widgets; the rest as before)", *changed, *gone])
-
-
-def _widget_head(line: str) -> str:
-    """A widget line up to its quoted name (indent, class, name): what identifies the widget."""
-    first = line.find('"')
-    end = line.find('"', first + 1) if first >= 0 else -1
-    return line[: end + 1] if end >= 0 else line
