@@ -12,10 +12,15 @@ policy on the same task draws; only the rollout settings differ:
   evicted first, a shared system prompt copied rather than cut), as every policy below;
 - ``keep`` / ``recompute``: ``engine.kv_on_update`` keep or recompute;
 - ``pin``: ``rollout.partial=pin`` (one weight version per trajectory);
-- ``keep+resumed_first+spill``: keep, resumed turns admitted first, displaced entries spilled to a host tier.
+- ``keep+resumed_first+spill``: keep, resumed turns admitted first, displaced entries spilled to a host tier;
+- ``keep+first_finished``: keep, batches of the earliest-finished groups, slow groups dropped at the staleness bound
+  (``store.collect=first_finished``, ``store.length_aware=false``: over-sampling within the window);
+- ``keep@96``: keep with 96 episodes in flight (the whole window: ``(1 + stale_steps) * B * group_size``) and 96
+  engine slots, instead of 32. ``sync`` plays 32 episodes a step whatever the limit, so it gains nothing from it.
 
-Reported per policy: trained samples/s, episode time p50/p99 (training episodes), prefix tokens reused / prompt
-tokens during RL (from the engine's counters in ``metrics.jsonl``, first step to last), the train/infer log-prob
+Reported per policy: trained samples/s, episode time p50/p99 (every finished training episode, and p99 of those
+trained: they differ where groups are dropped), groups dropped as stale and the length bias, prefix tokens reused /
+prompt tokens during RL (from the engine's counters in ``metrics.jsonl``, first step to last), the train/infer log-prob
 gap (``train/is_approx_k3_kl``, median over steps), mixed-version trajectories, held-out success before and after.
 Writes ``benchmarks/results/agentic_rollout.json`` and ``.png``.
 
@@ -62,6 +67,13 @@ POLICIES: dict[str, list[str]] = {
         "engine.admission=resumed_first",
         f"engine.kv_spill_bytes={256 << 20}",
     ],
+    "keep+first_finished": [
+        AWARE,
+        "engine.kv_on_update=keep",
+        "store.collect=first_finished",
+        "store.length_aware=false",
+    ],
+    "keep@96": [AWARE, "engine.kv_on_update=keep", "rollout.max_concurrency=96", "engine.max_slots=96"],
 }
 
 
@@ -108,6 +120,14 @@ def run(name: str, model: Path, out: Path, args: argparse.Namespace) -> dict[str
     return measure(s, run_dir, time.monotonic() - t0)
 
 
+def _trained_ids(run_dir: Path) -> set[str]:
+    """Ids of the trajectories the run trained (its last checkpoint's record)."""
+    import torch
+
+    last = max((run_dir / "checkpoints").glob("step_*.pt"))
+    return set(torch.load(last, map_location="cpu", weights_only=False)["extra"]["trained_ids"])
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -119,6 +139,8 @@ def measure(s: dict[str, Any], run_dir: Path, job_s: float) -> dict[str, Any]:
     k3 = [r["train/is_approx_k3_kl"] for r in rows if "train/is_approx_k3_kl" in r]
     trajs = [t for t in Journal.read(run_dir / "journal.jsonl") if t.info.get("split", "train") == "train"]
     episode_s = [t.timings["episode_s"] for t in trajs if "episode_s" in t.timings]
+    trained = _trained_ids(run_dir)
+    trained_s = [t.timings["episode_s"] for t in trajs if "episode_s" in t.timings and t.id in trained]
     kv = s.get("kv_cache") or {}
     eng = [r for r in rows if "engine/prefill_tokens" in r]  # cumulative engine counters at each step's end
     reused = prompt = None
@@ -133,6 +155,9 @@ def measure(s: dict[str, Any], run_dir: Path, job_s: float) -> dict[str, Any]:
         "episode_s_p50": _pct(episode_s, 0.5),
         "episode_s_p99": _pct(episode_s, 0.99),
         "episodes_timed": len(episode_s),
+        "trained_episode_s_p99": _pct(trained_s, 0.99),
+        "dropped_stale_groups": s["dropped_stale_groups"],
+        "length_bias": s["length_bias"],
         "reused_over_prompt_tokens": reused / prompt if reused is not None and prompt else None,
         "recomputed_tokens_rl": (eng[-1]["engine/kv_recomputed_tokens"] - eng[0]["engine/kv_recomputed_tokens"])
         if len(eng) >= 2
@@ -233,10 +258,10 @@ def main() -> None:
 def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The median of every numeric key over a policy's repeats, with the repeats themselves under ``runs``."""
     out: dict[str, Any] = {}
-    for key, value in rows[0].items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            vals = [r[key] for r in rows if isinstance(r.get(key), int | float)]
-            out[key] = statistics.median(vals) if vals else None
+    for key in dict.fromkeys(k for r in rows for k in r):  # a key added later is in the newer repeats only
+        vals = [r[key] for r in rows if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)]
+        if vals:
+            out[key] = statistics.median(vals)
     out["repeats"] = len(rows)
     out["runs"] = rows
     return out
