@@ -49,6 +49,7 @@ from agentflow.config import load_config
 from agentflow.recipes.common import ensure_model
 from agentflow.recipes.rl import run_job
 from agentflow.recipes.warmup import run_sft
+from agentflow.resume import checkpoints
 from agentflow.store import Journal
 from envs.trail import TrailEnv
 
@@ -124,7 +125,7 @@ def _trained_ids(run_dir: Path) -> set[str]:
     """Ids of the trajectories the run trained (its last checkpoint's record)."""
     import torch
 
-    last = max((run_dir / "checkpoints").glob("step_*.pt"))
+    _, last = checkpoints(run_dir)[0]  # the newest complete one
     return set(torch.load(last, map_location="cpu", weights_only=False)["extra"]["trained_ids"])
 
 
