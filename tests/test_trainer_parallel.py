@@ -274,6 +274,24 @@ def test_clip_without_tp_is_torch_clip() -> None:
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(a, b, strict=True))
 
 
+def test_process_group_is_destroyed_before_interpreter_shutdown() -> None:
+    """A process that made a group and exits has it destroyed by then: gloo torn down during interpreter
+    finalisation can abort the rank (SIGABRT, "terminate called without an active exception")."""
+    code = (
+        "import atexit, torch.distributed as dist\n"
+        "atexit.register(lambda: print('alive at exit:', dist.is_initialized()))\n"  # runs after ours (LIFO)
+        "from trainer.dist import init_process_group\n"
+        "init_process_group('gloo')\n"
+        "init_process_group('gloo')\n"  # a second call is a no-op: one group, one handler
+        "print('alive:', dist.is_initialized())\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["alive: True", "alive at exit: False"], out.stdout
+
+
 def _fake_group(world: int, grace_s: float) -> tuple[ParallelTrainerGroup, list]:
     """A group whose 'ranks' are the far ends of pipes held by the test (no processes)."""
     import multiprocessing as mp

@@ -8,6 +8,7 @@ hangs, hence :func:`free_port`.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 
@@ -43,9 +44,22 @@ def init_process_group(backend: str = "gloo") -> None:
         torch.cuda.set_device(local)
     if all(v in os.environ for v in _TORCHRUN_VARS):
         dist.init_process_group(backend=backend, init_method="env://")
-        return
-    port = free_port()
-    dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    else:
+        port = free_port()
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    atexit.unregister(destroy_process_group)  # once, however many times a group is made and destroyed
+    atexit.register(destroy_process_group)
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group if one exists (registered at exit by :func:`init_process_group`).
+
+    A process that exits with a live gloo group can abort during interpreter shutdown ("terminate called without an
+    active exception", SIGABRT): gloo's worker threads still hold tensors whose release needs the interpreter. Tearing
+    the group down while the interpreter is whole makes a rank's clean exit clean.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def init_process_group_cpu() -> None:
