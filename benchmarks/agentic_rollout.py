@@ -16,7 +16,9 @@ policy on the same task draws; only the rollout settings differ:
 - ``keep+first_finished``: keep, batches of the earliest-finished groups, slow groups dropped at the staleness bound
   (``store.collect=first_finished``, ``store.length_aware=false``: over-sampling within the window);
 - ``keep@96``: keep with 96 episodes in flight (the whole window: ``(1 + stale_steps) * B * group_size``) and 96
-  engine slots, instead of 32. ``sync`` plays 32 episodes a step whatever the limit, so it gains nothing from it.
+  engine slots, instead of 32. ``sync`` plays 32 episodes a step whatever the limit, so it gains nothing from it;
+- ``pin@24`` / ``pin@16``: pin with 24 or 16 episodes in flight: where the cores are already saturated, fewer
+  episodes at once each finish sooner, at whatever throughput the cores still give.
 
 Reported per policy: trained samples/s, episode time p50/p99 (every finished training episode, and p99 of those
 trained: they differ where groups are dropped), groups dropped as stale and the length bias, prefix tokens reused /
@@ -26,6 +28,12 @@ Writes ``benchmarks/results/agentic_rollout.json`` and ``.png``.
 
     .venv/bin/python benchmarks/agentic_rollout.py                 # 30 steps per policy, 100 held-out episodes
     .venv/bin/python benchmarks/agentic_rollout.py --only keep pin  # more runs of some policies (medians)
+    .venv/bin/python benchmarks/agentic_rollout.py --frozen         # scheduling alone: the policy does not move
+
+Learning moves the workload under the policies: a run whose policy drifts into 20-turn episodes does about twice the
+work per trained sample of one that does not, which is most of the spread between repeats. ``--frozen`` trains at
+lr 1e-12, so every step, weight update and version happens as usual but every policy meets the same episodes
+(``agentic_rollout_frozen.json``); per-run ``turns_mean``, ``truncated_frac`` and generated tokens/s show the drift.
 """
 
 from __future__ import annotations
@@ -75,6 +83,8 @@ POLICIES: dict[str, list[str]] = {
         "store.length_aware=false",
     ],
     "keep@96": [AWARE, "engine.kv_on_update=keep", "rollout.max_concurrency=96", "engine.max_slots=96"],
+    "pin@24": [AWARE, "rollout.partial=pin", "rollout.max_concurrency=24"],
+    "pin@16": [AWARE, "rollout.partial=pin", "rollout.max_concurrency=16"],
 }
 
 
@@ -113,6 +123,7 @@ def run(name: str, model: Path, out: Path, args: argparse.Namespace) -> dict[str
         "run.progress=false",
         "run.overwrite=true",
         f"eval.episodes={args.eval_episodes}",
+        *(["trainer.lr=1e-12"] if args.frozen else []),
         *POLICIES[name],
     ]
     cfg = load_config(CONFIG, overrides)
@@ -143,6 +154,7 @@ def measure(s: dict[str, Any], run_dir: Path, job_s: float) -> dict[str, Any]:
     trained = _trained_ids(run_dir)
     trained_s = [t.timings["episode_s"] for t in trajs if "episode_s" in t.timings and t.id in trained]
     kv = s.get("kv_cache") or {}
+    steps = [r for r in rows if "rollout/turns_mean" in r]
     eng = [r for r in rows if "engine/prefill_tokens" in r]  # cumulative engine counters at each step's end
     reused = prompt = None
     if len(eng) >= 2:  # from the first step's end to the last: RL only, no held-out evaluation in between
@@ -156,6 +168,9 @@ def measure(s: dict[str, Any], run_dir: Path, job_s: float) -> dict[str, Any]:
         "episode_s_p50": _pct(episode_s, 0.5),
         "episode_s_p99": _pct(episode_s, 0.99),
         "episodes_timed": len(episode_s),
+        "turns_mean": statistics.mean(r["rollout/turns_mean"] for r in steps) if steps else None,
+        "truncated_frac": statistics.mean(r["rollout/truncated_frac"] for r in steps) if steps else None,
+        "generated_tokens_per_s": steps[-1]["store/generated_tokens"] / max(s["rl_wall_s"], 1e-9) if steps else None,
         "trained_episode_s_p99": _pct(trained_s, 0.99),
         "dropped_stale_groups": s["dropped_stale_groups"],
         "length_bias": s["length_bias"],
@@ -197,7 +212,12 @@ def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> d
             }
             for name, r in results.items()
         }
-    out["config"] = {"steps": args.steps, "eval_episodes": args.eval_episodes, "median_s": args.median_s}
+    out["config"] = {
+        "steps": args.steps,
+        "eval_episodes": args.eval_episodes,
+        "median_s": args.median_s,
+        "frozen": args.frozen,
+    }
     return out
 
 
@@ -236,11 +256,18 @@ def main() -> None:
     ap.add_argument("--runs", default="runs/agentic_rollout", help="where the policies' run directories go")
     ap.add_argument("--repeats", type=int, default=1, help="runs per policy (medians reported)")
     ap.add_argument("--fresh", action="store_true", help="drop the runs already in the json")
+    ap.add_argument(
+        "--frozen",
+        action="store_true",
+        help="train at lr 1e-12: every step, update and version as usual, but the policy (so the episodes' lengths) "
+        "stays put; compares scheduling alone (results in agentic_rollout_frozen.json)",
+    )
     args = ap.parse_args()
     envs.register("bench/SlowTrail-v0", SlowTrail, max_turns=20)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "agentic_rollout.json"
+    stem = "agentic_rollout_frozen" if args.frozen else "agentic_rollout"
+    path = out / f"{stem}.json"
     runs: dict[str, list[dict[str, Any]]] = {}
     if path.is_file() and not args.fresh:  # a rerun adds repeats to the runs already measured
         for name, row in json.loads(path.read_text())["policies"].items():
@@ -248,12 +275,12 @@ def main() -> None:
     model = policy_model()
     for _ in range(args.repeats):
         for name in args.only or list(POLICIES):  # interleaved so machine noise hits every policy alike
-            r = run(name, model, Path(args.runs), args)
+            r = run(name, model, Path(args.runs + ("_frozen" if args.frozen else "")), args)
             runs.setdefault(name, []).append(r)
             table = summarize({n: median_row(runs[n]) for n in POLICIES if n in runs}, args)
             path.write_text(json.dumps(table, indent=2))  # after every run: an interrupted benchmark keeps them
             print(name, json.dumps({k: v for k, v in r.items() if k != "kv_cache"}), flush=True)
-    plot(table, out / "agentic_rollout.png")
+    plot(table, out / f"{stem}.png")
 
 
 def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
