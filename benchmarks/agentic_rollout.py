@@ -195,7 +195,8 @@ def measure(s: dict[str, Any], run_dir: Path, job_s: float) -> dict[str, Any]:
 
 def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     base = results.get("lru+flush")
-    out: dict[str, Any] = {"workload": f"{CONFIG} on bench/SlowTrail-v0 (tool latency median {args.median_s} s)"}
+    held = ", policy held still (lr 1e-12)" if args.frozen else ""
+    out: dict[str, Any] = {"workload": f"{CONFIG} on bench/SlowTrail-v0 (tool latency median {args.median_s} s){held}"}
     out["policies"] = results
     if "sync" in results:
         out["async_over_sync"] = {
