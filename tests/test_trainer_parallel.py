@@ -282,7 +282,7 @@ def test_process_group_is_destroyed_before_interpreter_shutdown() -> None:
         "atexit.register(lambda: print('alive at exit:', dist.is_initialized()))\n"  # runs after ours (LIFO)
         "from trainer.dist import init_process_group\n"
         "init_process_group('gloo')\n"
-        "init_process_group('gloo')\n"  # a second call is a no-op: one group, one handler
+        "init_process_group('gloo')\n"  # a second call is a no-op
         "print('alive:', dist.is_initialized())\n"
     )
     root = Path(__file__).resolve().parents[1]
