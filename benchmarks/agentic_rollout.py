@@ -267,8 +267,8 @@ def main() -> None:
     envs.register("bench/SlowTrail-v0", SlowTrail, max_turns=20)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "agentic_rollout_frozen" if args.frozen else "agentic_rollout"
-    path = out / f"{stem}.json"
+    suffix = "_frozen" if args.frozen else ""  # held-still runs: their own json, png and run directories
+    path = out / f"agentic_rollout{suffix}.json"
     runs: dict[str, list[dict[str, Any]]] = {}
     if path.is_file() and not args.fresh:  # a rerun adds repeats to the runs already measured
         for name, row in json.loads(path.read_text())["policies"].items():
@@ -276,12 +276,12 @@ def main() -> None:
     model = policy_model()
     for _ in range(args.repeats):
         for name in args.only or list(POLICIES):  # interleaved so machine noise hits every policy alike
-            r = run(name, model, Path(args.runs + ("_frozen" if args.frozen else "")), args)
+            r = run(name, model, Path(args.runs + suffix), args)
             runs.setdefault(name, []).append(r)
             table = summarize({n: median_row(runs[n]) for n in POLICIES if n in runs}, args)
             path.write_text(json.dumps(table, indent=2))  # after every run: an interrupted benchmark keeps them
             print(name, json.dumps({k: v for k, v in r.items() if k != "kv_cache"}), flush=True)
-    plot(table, out / f"{stem}.png")
+    plot(table, path.with_suffix(".png"))
 
 
 def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
