@@ -69,9 +69,10 @@ class DataConfig(Section):
 class TreeConfig(Section):
     branches: int = Field(0, ge=0)
     """Continuations per group started from the state after one of its roots' turns (0: no tree)."""
-    select: Literal["uniform", "last_first", "surprisal", "disagree"] = "disagree"
-    """Where to branch: turns at random, the deepest first, where the sampled tokens were least likely, or (the
-    default) the states where the roots took the most different actions, then by surprisal."""
+    select: Literal["uniform", "last_first", "surprisal", "disagree", "contested"] = "disagree"
+    """Where to branch: turns at random, the deepest first, where the sampled tokens were least likely, (the
+    default) the states where the roots took the most different actions, then by surprisal, or ``contested``: only
+    states where the roots disagreed, the branches cycling over them (no branch in a group whose roots agreed)."""
     max_tokens: int | None = Field(None, ge=1)
     """Generated tokens per group (roots and branches) past which no further branch starts (None: no bound)."""
 

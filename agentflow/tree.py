@@ -13,6 +13,11 @@ declares, the root's prefix served from the engine's prefix cache). Where to bra
   without the token-level noise), then by surprisal. On a task where one early decision settles the outcome, this
   is that decision's state; per-token surprisal instead grows with the context and picks turns after it, once
   the outcome is settled (measured on Trail-v0: 27 of 28 relay branches after the decisive turn).
+- ``contested``: only the states where the roots disagreed, most different first, and every branch there: the
+  budget cycles over those states, so a state gets more branches than roots reached it (several from one root
+  turn). A group whose roots acted alike everywhere is not branched at all. Where one decision settles the outcome
+  and the policy rarely gets it right, the continuations are spent on that decision instead of on a copy of the
+  roots' agreement elsewhere.
 
 ``max_tokens`` bounds the group's generated tokens: a branch is skipped when the root's tokens after its branch
 point (the estimate of what it will generate) would take the group past the budget.
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 from agentflow.types import Trajectory
 
-SELECT = ("uniform", "last_first", "surprisal", "disagree")
+SELECT = ("uniform", "last_first", "surprisal", "disagree", "contested")
 
 
 @dataclass(frozen=True)
@@ -68,10 +73,12 @@ def branch_points(roots: list[Trajectory], spec: TreeSpec, seed: int) -> list[tu
         random.Random(seed).shuffle(cands)
     elif spec.select == "last_first":
         cands.sort(key=lambda rk: -rk[1])  # stable: roots in order within a depth
-    elif spec.select == "disagree":
+    elif spec.select in ("disagree", "contested"):
         states = {id(r): state_keys(r) for r in roots if len(r.segments) == 1}
         spread = _disagreement(roots, states)
         cands.sort(key=lambda rk: (-spread[states[id(rk[0])][rk[1]]], -_surprisal(*rk)))
+        if spec.select == "contested":
+            cands = _cycle([rk for rk in cands if spread[states[id(rk[0])][rk[1]]] > 1], states, spec.branches)
     else:
         cands.sort(key=lambda rk: -_surprisal(*rk))
     used = sum(model_tokens(r) for r in roots)
@@ -85,6 +92,17 @@ def branch_points(roots: list[Trajectory], spec: TreeSpec, seed: int) -> list[tu
         picked.append((root, k))
         used += cost
     return picked
+
+
+def _cycle(cands: list[tuple[Trajectory, int]], states: dict[int, list[str]], n: int) -> list[tuple[Trajectory, int]]:
+    """Up to ``n`` branch points over the states of ``cands`` (in their order), one per state per round: each
+    round branches every state once more, from the next root that reached it."""
+    by_state: dict[str, list[tuple[Trajectory, int]]] = {}
+    for r, k in cands:
+        by_state.setdefault(states[id(r)][k], []).append((r, k))
+    rounds = (n + len(by_state) - 1) // len(by_state) if by_state else 0
+    order = [pairs[r % len(pairs)] for r in range(rounds) for pairs in by_state.values()]
+    return order[:n]
 
 
 def state_keys(traj: Trajectory) -> list[str]:

@@ -8,7 +8,9 @@ Every method starts from the same warmed-up policy; held-out success (``--eval-e
   ``PHASES`` bands of turn depths);
 - ``tree``: half the roots per group and as many branches (``--tree-branches``) from their turns (``rollout.tree``,
   chosen by ``--tree-select``, default where the roots disagree), ``trainer.tree_credit`` (per-turn advantages from
-  the tree's state values, reverse-order updates in ``PHASES`` bands).
+  the tree's state values, reverse-order updates in ``PHASES`` bands);
+- ``tree-contested``: half the roots, and ``CONTESTED_BRANCHES`` branches only at the states where they disagreed
+  (``rollout.tree.select=contested``), none in a group whose roots acted alike; tree credit as for ``tree``.
 
 A branch starts mid-episode, so the tree method generates fewer tokens per step. ``--tokens`` gives every run the
 same budget of generated tokens (``run.max_generated_tokens``; ``--steps`` is then only a cap), so the tree makes
@@ -45,21 +47,30 @@ depth trained the long-horizon job's steps ~10x slower than GRPO (up to 20 depth
 pass)."""
 
 
+CONTESTED_BRANCHES = 12
+"""Branches per group of ``tree-contested``: all of them at the states where the group's roots disagreed."""
+
+
 def methods(group_size: int, select: str = "disagree", branches: int | None = None) -> dict[str, list[str]]:
     """Each method's overrides; the tree keeps half the roots and ``branches`` (default: the other half) branches,
-    chosen by ``select``."""
+    chosen by ``select``; ``tree-contested`` keeps half the roots too and spends ``CONTESTED_BRANCHES`` (or
+    ``branches``) where they disagreed (``rollout.tree.select=contested``)."""
     half = max(1, group_size // 2)
+    tree = ["trainer.turn_credit=false", f"rollout.group_size={half}", "trainer.tree_credit=true",
+            f"trainer.turn_phases={PHASES}"]  # fmt: skip
     return {
         "grpo": ["trainer.turn_credit=false", "trainer.turn_phases=null"],
         "turn": ["trainer.turn_credit=true", f"trainer.turn_phases={PHASES}"],
         "tree": [
-            "trainer.turn_credit=false",
-            f"rollout.group_size={half}",
+            *tree,
             f"rollout.tree.branches={group_size - half if branches is None else branches}",
             f"rollout.tree.select={select}",
-            "trainer.tree_credit=true",
-            f"trainer.turn_phases={PHASES}",
-        ],  # fmt: skip
+        ],
+        "tree-contested": [
+            *tree,
+            f"rollout.tree.branches={CONTESTED_BRANCHES if branches is None else branches}",
+            "rollout.tree.select=contested",
+        ],
     }
 
 

@@ -93,6 +93,11 @@ def test_branch_points_respect_the_budget_and_the_choice(tok) -> None:
     assert branch_points([c, d], TreeSpec(2, "disagree"), 0) == [(c, 1), (d, 1)]
     c_nodes, d_nodes = turn_nodes(c, [0, 1, 2]), turn_nodes(d, [0, 1, 2])
     assert c_nodes[:2] == d_nodes[:2] and c_nodes[2] != d_nodes[2]  # one state until their actions part
+    # `contested` spends every branch where the roots disagreed (turn 1's state), more than one per root there
+    assert branch_points([c, d], TreeSpec(5, "contested"), 0) == [(c, 1), (d, 1), (c, 1), (d, 1), (c, 1)]
+    assert branch_points([c, d], TreeSpec(5, "contested", max_tokens=30 + 2 * 10), 0) == [(c, 1), (d, 1)]
+    # roots that acted alike everywhere: nothing contested, no branch
+    assert branch_points([c, root("e", spans, [-0.1, -0.2, -3.0])], TreeSpec(4, "contested"), 0) == []
 
 
 def test_a_tree_needs_our_loop_and_an_env_that_branches() -> None:
