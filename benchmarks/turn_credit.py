@@ -91,7 +91,8 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
         ]
     s = run_job(load_config(CONFIGS[args.workload], over), log=lambda *_: None)
     evals = [{"step": 0, "success": s["success_before_rl"], "generated_tokens": 0, "rl_s": 0.0}]
-    evals += [{k: e[k] for k in ("step", "success", "generated_tokens", "rl_s")} for e in s["evals"]]
+    keep = ("step", "success", "per_type", "generated_tokens", "rl_s")
+    evals += [{k: e[k] for k in keep if k in e} for e in s["evals"]]
     return {"success_before_rl": s["success_before_rl"], "success_after_rl": s["success_after_rl"],
             "rl_wall_s": s["rl_wall_s"], "evals": evals, "tree": s.get("tree"), "rl_steps": s["rl_steps"],
             "token_budget": args.tokens, "generated_tokens": s["generated_tokens"],
