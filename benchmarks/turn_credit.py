@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import _path  # noqa: F401  (must come before the project's imports: see _path.py)
+from _agentic_workload import AS_MEASURED
 from async_vs_sync import TINY
 
 from agentflow.config import load_config
@@ -82,6 +83,8 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
             f"eval.episodes={args.eval_episodes}",
             *([f"run.max_generated_tokens={args.tokens}"] if args.tokens else []),
             *methods(base.rollout.group_size, args.tree_select, args.tree_branches)[method]]  # fmt: skip
+    if args.workload == "agentic":  # the stored runs' warm-up and RL rate: new runs compare with them
+        over += AS_MEASURED
     if model is not None:  # --quick
         over += [
             f"model.path={model}",
