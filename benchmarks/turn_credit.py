@@ -16,10 +16,12 @@ A branch starts mid-episode, so the tree method generates fewer tokens per step.
 same budget of generated tokens (``run.max_generated_tokens``; ``--steps`` is then only a cap), so the tree makes
 more steps; the comparison at equal tokens takes each run's success at the smallest final token count of any run
 (``equal_tokens``; linear between evaluations). Writes ``benchmarks/results/turn_credit.json`` (one section per
-workload) and ``turn_credit.png``.
+workload) and ``turn_credit.png``. The long-horizon job runs at the rates its stored runs had (``AS_MEASURED``);
+``--shipped`` runs it at the config's own rates instead, into a section of its own (``agentic-shipped``).
 
     .venv/bin/python benchmarks/turn_credit.py --workload agentic --seeds 0 1 2 --tokens 300000 --steps 200
     .venv/bin/python benchmarks/turn_credit.py --workload demo
+    .venv/bin/python benchmarks/turn_credit.py --shipped --seeds 0 --tokens 200000 --steps 200  # shipped rates
     .venv/bin/python benchmarks/turn_credit.py --quick            # a tiny random model, a few steps
 """
 
@@ -77,13 +79,13 @@ def methods(group_size: int, select: str = "disagree", branches: int | None = No
 
 def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None) -> dict[str, Any]:
     base = load_config(CONFIGS[args.workload])
-    run_dir = Path(args.runs) / f"turn_credit-{args.workload}-{method}-s{seed}"
+    run_dir = Path(args.runs) / f"turn_credit-{section(args)}-{method}-s{seed}"
     over = [f"run.seed={seed}", f"data.seed={seed}", f"run.dir={run_dir}", f"run.steps={args.steps}",
             "run.progress=false", "run.overwrite=true", f"eval.every_steps={args.eval_every}",
             f"eval.episodes={args.eval_episodes}",
             *([f"run.max_generated_tokens={args.tokens}"] if args.tokens else []),
             *methods(base.rollout.group_size, args.tree_select, args.tree_branches)[method]]  # fmt: skip
-    if args.workload == "agentic":  # the stored runs' warm-up and RL rate: new runs compare with them
+    if args.workload == "agentic" and not args.shipped:  # the stored runs' rates: new runs compare with them
         over += AS_MEASURED
     if model is not None:  # --quick
         over += [
@@ -100,6 +102,11 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
             "rl_wall_s": s["rl_wall_s"], "evals": evals, "tree": s.get("tree"), "rl_steps": s["rl_steps"],
             "token_budget": args.tokens, "generated_tokens": s["generated_tokens"],
             "per_type_after_rl": s["per_type_after_rl"]}  # fmt: skip
+
+
+def section(args: argparse.Namespace) -> str:
+    """The results section of a run: the workload, ``-shipped`` for the long-horizon job at its shipped rates."""
+    return f"{args.workload}-shipped" if args.shipped and args.workload == "agentic" else args.workload
 
 
 def curve(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -180,6 +187,11 @@ def main() -> None:
                     help="methods to (re)run; other methods' runs already in the results file are kept")  # fmt: skip
     ap.add_argument("--tree-select", choices=SELECT, default="disagree", help="where the tree branches")
     ap.add_argument("--tree-branches", type=int, default=None, help="branches per group (default: half the roots)")
+    ap.add_argument(
+        "--shipped",
+        action="store_true",
+        help="agentic: the shipped warm-up and RL rates (results in their own section), not AS_MEASURED",
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--report", action="store_true", help="only rewrite the table and plot from the stored runs")
     ap.add_argument("--out", default="benchmarks/results")
@@ -194,10 +206,10 @@ def main() -> None:
     path = out / ("turn_credit_quick.json" if args.quick else "turn_credit.json")
     table = json.loads(path.read_text()) if path.is_file() else {}
     runs: dict[str, dict[int, dict[str, Any]]] = {m: {} for m in methods(8)}
-    for m, by_seed in table.get(args.workload, {}).get("runs", {}).items():  # runs kept from an earlier invocation
+    for m, by_seed in table.get(section(args), {}).get("runs", {}).items():  # runs kept from an earlier invocation
         runs.setdefault(m, {}).update({int(s): r for s, r in by_seed.items()})
     if args.report and any(runs.values()):
-        table[args.workload] = summarize({k: v for k, v in runs.items() if v})
+        table[section(args)] = summarize({k: v for k, v in runs.items() if v})
         path.write_text(json.dumps(table, indent=2, default=str))
     with tempfile.TemporaryDirectory() as tmp:
         model = init_model(Path(tmp) / "model", TINY, env_ids=["agentflow/Calc-v0"]) if args.quick else None
@@ -206,7 +218,7 @@ def main() -> None:
         for seed in args.seeds:
             for m in args.methods:  # interleaved so machine noise hits every method alike
                 runs[m][seed] = run_one(args, m, seed, model)
-                table[args.workload] = summarize({k: v for k, v in runs.items() if v})
+                table[section(args)] = summarize({k: v for k, v in runs.items() if v})
                 path.write_text(json.dumps(table, indent=2, default=str))
     plot(table, path.with_suffix(".png"))
     print(json.dumps({w: t["methods"] for w, t in table.items()}, indent=2))
