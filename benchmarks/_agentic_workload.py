@@ -24,8 +24,9 @@ MODES = ("sync", "one_step", "async")
 CONFIG = "configs/agentic.yaml"
 AS_MEASURED = ("sft.lr=2.0e-3", "trainer.lr=1.0e-4")
 """The warm-up and RL learning rates the benchmarks' documented runs on the long-horizon job had (the shipped config
-has since moved to a warm-up that does not depend on the CPU's rounding, and a lower RL rate to go with it; on some
-machines this warm-up does not learn the code's copy: docs/results.md, "The warm-up depends on the machine")."""
+has since moved to a warm-up that took the same path under two kernel sets, and a lower RL rate to go with it; on
+some machines the warm-up pinned here does not learn the code's copy: docs/results.md, "The warm-up depends on the
+machine")."""
 GRPO_JOB = ("trainer.turn_credit=false", "trainer.turn_phases=null", "run.steps=100", *AS_MEASURED)
 """The long-horizon job as the benchmarks measure it: trajectory-level GRPO, 100 steps (the shipped config trains
 with per-turn credit for 40 steps, whose trainer does several passes a step), at the rates it was measured with;
