@@ -29,6 +29,7 @@ import hashlib
 import random
 from array import array
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agentflow.types import Trajectory
@@ -76,9 +77,13 @@ def branch_points(roots: list[Trajectory], spec: TreeSpec, seed: int) -> list[tu
     elif spec.select in ("disagree", "contested"):
         states = {id(r): state_keys(r) for r in roots if len(r.segments) == 1}
         spread = _disagreement(roots, states)
-        cands.sort(key=lambda rk: (-spread[states[id(rk[0])][rk[1]]], -_surprisal(*rk)))
+
+        def state(rk: tuple[Trajectory, int]) -> str:
+            return states[id(rk[0])][rk[1]]
+
+        cands.sort(key=lambda rk: (-spread[state(rk)], -_surprisal(*rk)))
         if spec.select == "contested":
-            cands = _cycle([rk for rk in cands if spread[states[id(rk[0])][rk[1]]] > 1], states, spec.branches)
+            cands = _cycle([rk for rk in cands if spread[state(rk)] > 1], state, spec.branches)
     else:
         cands.sort(key=lambda rk: -_surprisal(*rk))
     used = sum(model_tokens(r) for r in roots)
@@ -94,15 +99,15 @@ def branch_points(roots: list[Trajectory], spec: TreeSpec, seed: int) -> list[tu
     return picked
 
 
-def _cycle(cands: list[tuple[Trajectory, int]], states: dict[int, list[str]], n: int) -> list[tuple[Trajectory, int]]:
-    """Up to ``n`` branch points over the states of ``cands`` (in their order), one per state per round: each
-    round branches every state once more, from the next root that reached it."""
+def _cycle(
+    cands: list[tuple[Trajectory, int]], state: Callable[[tuple[Trajectory, int]], str], n: int
+) -> list[tuple[Trajectory, int]]:
+    """``cands``' states in their order, round after round (at most ``n``), each round every state once more from
+    the next root that reached it; the caller takes the first ``n`` that fit its budget."""
     by_state: dict[str, list[tuple[Trajectory, int]]] = {}
-    for r, k in cands:
-        by_state.setdefault(states[id(r)][k], []).append((r, k))
-    rounds = (n + len(by_state) - 1) // len(by_state) if by_state else 0
-    order = [pairs[r % len(pairs)] for r in range(rounds) for pairs in by_state.values()]
-    return order[:n]
+    for rk in cands:
+        by_state.setdefault(state(rk), []).append(rk)
+    return [pairs[r % len(pairs)] for r in range(n) for pairs in by_state.values()]
 
 
 def state_keys(traj: Trajectory) -> list[str]:
