@@ -85,7 +85,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
             f"eval.episodes={args.eval_episodes}",
             *([f"run.max_generated_tokens={args.tokens}"] if args.tokens else []),
             *methods(base.rollout.group_size, args.tree_select, args.tree_branches)[method]]  # fmt: skip
-    if args.workload == "agentic" and not args.shipped:  # the stored runs' rates: new runs compare with them
+    if section(args) == "agentic":  # the stored runs' rates: new runs compare with them
         over += AS_MEASURED
     if model is not None:  # --quick
         over += [
@@ -106,7 +106,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
 
 def section(args: argparse.Namespace) -> str:
     """The results section of a run: the workload, ``-shipped`` for the long-horizon job at its shipped rates."""
-    return f"{args.workload}-shipped" if args.shipped and args.workload == "agentic" else args.workload
+    return f"{args.workload}-shipped" if args.shipped else args.workload
 
 
 def curve(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -197,6 +197,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--runs", default="runs")
     args = ap.parse_args()
+    if args.shipped and args.workload != "agentic":
+        ap.error("--shipped applies to --workload agentic only (the demo has no pinned rates)")
     if args.quick:
         args.seeds, args.steps, args.eval_every, args.eval_episodes = [0], 2, 1, 4
     if args.report:
