@@ -208,6 +208,9 @@ class ReplayConfig(Section):
     finished groups and the trainer's step time (logged every step as ``store/replay_*``)."""
     skip_uniform: bool = True
     """Do not keep groups whose rewards are all equal: under group-relative advantages they have no policy gradient."""
+    stale_steps: int | None = Field(None, ge=1)
+    """A tighter staleness bound for replayed groups than for fresh ones (null: the job's bound): a group is replayed
+    only while every one of its tokens is within this many versions of the trainer. At most the job's bound."""
 
 
 class StoreConfig(Section):
@@ -430,6 +433,12 @@ class JobConfig(Section):
             raise ValueError(
                 "store.replay.max_reuse: replay needs a staleness bound above 0, and run.mode sync trains only tokens "
                 "of the current version (use async with store.stale_steps >= 1, or one_step)"
+            )
+        bound = STALENESS_BY_MODE.get(self.run.mode, self.store.stale_steps)
+        if self.store.replay.stale_steps is not None and self.store.replay.stale_steps > bound:
+            raise ValueError(
+                f"store.replay.stale_steps={self.store.replay.stale_steps} is above the job's staleness bound {bound} "
+                f"(run.mode {self.run.mode}): replayed tokens may not be staler than fresh ones"
             )
         return self
 

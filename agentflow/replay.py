@@ -112,6 +112,7 @@ class ReplayPool:
             "replay_skipped_uniform": self.skipped_uniform,
             "replay_mean_staleness": sum(k * v for k, v in self.staleness_hist.items()) / n if n else 0.0,
             "replay_max_staleness": max(self.staleness_hist, default=0),
+            "replay_bound": self.stale_steps,
         }
 
     def trainings(self) -> dict[str, int]:

@@ -205,7 +205,10 @@ class TrajectoryStore:
         self.pool: ReplayPool | None = None
         self.scheduler: ReplayScheduler | None = None
         if replay is not None and replay.max_reuse > 0:
-            self.pool = ReplayPool(replay.max_reuse, stale_steps, replay.skip_uniform)
+            bound = stale_steps if replay.stale_steps is None else replay.stale_steps
+            if bound > stale_steps:
+                raise ValueError(f"store.replay.stale_steps={bound} is above the store's staleness bound {stale_steps}")
+            self.pool = ReplayPool(replay.max_reuse, bound, replay.skip_uniform)
             self.scheduler = ReplayScheduler(batch_groups, replay.ratio, replay.schedule)
         self.last_replayed: set[str] = set()
         """Group ids of the last batch that were replays (trained before)."""

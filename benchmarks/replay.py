@@ -35,12 +35,16 @@ from agentflow.config import load_config
 from agentflow.model_init import init_model
 from agentflow.recipes.rl import run_job
 
-#: replay settings compared: name -> store overrides (the same staleness bound for all)
+#: replay settings compared: name -> store overrides (the same job staleness bound for all)
 SETTINGS = {
     "none": [],
     "fixed": ["store.replay.max_reuse=2", "store.replay.ratio=0.5", "store.replay.schedule=fixed"],
     "adaptive": ["store.replay.max_reuse=2", "store.replay.ratio=0.75", "store.replay.schedule=adaptive"],
+    # adaptive, replayed groups held one version tighter than fresh ones (store.replay.stale_steps, set in _overrides)
+    "adaptive-tight": ["store.replay.max_reuse=2", "store.replay.ratio=0.75", "store.replay.schedule=adaptive"],
 }
+TIGHT = {"adaptive-tight": 1}
+"""Settings whose replay bound is ``--stale-steps`` minus this many versions."""
 KEYS = ("success_before_rl", "success_after_rl", "rl_wall_s", "trajectories_trained", "engine_busy_fraction",
         "trainer_busy_fraction", "mean_staleness", "max_staleness_seen", "dropped_stale_groups")  # fmt: skip
 
@@ -53,6 +57,7 @@ def _overrides(args: argparse.Namespace, setting: str, seed: int, run_dir: Path,
         "run.progress=false",
         "run.overwrite=true",
         f"store.stale_steps={args.stale_steps}",
+        *([f"store.replay.stale_steps={args.stale_steps - TIGHT[setting]}"] if setting in TIGHT else []),
         f"eval.every_steps={args.eval_every}",
         f"eval.episodes={args.eval_episodes}",
     ]
@@ -170,7 +175,7 @@ def main() -> None:
     ap.add_argument("--workload", choices=("demo", "agentic"), default="demo")
     ap.add_argument("--quick", action="store_true", help="tiny random model, a few steps (CI)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=["none", "fixed", "adaptive"])
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument("--eval-episodes", type=int, default=None)
@@ -187,7 +192,7 @@ def main() -> None:
     envs.register("bench/SlowCalc-v0", SlowCalc, max_turns=3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "replay.json"
+    path = out / ("replay_quick.json" if args.quick else "replay.json")  # a quick run never overwrites the real one
     results = json.loads(path.read_text()) if path.is_file() and not args.quick else {}
     skip = ("out", "runs", "seeds", "settings", "fresh", "summarize_only")
     config = {k: v for k, v in vars(args).items() if k not in skip}
@@ -201,7 +206,7 @@ def main() -> None:
             sec["runs"] = {n: {int(k): r for k, r in by.items()} for n, by in sec["runs"].items()}
             sec.update(summarize(sec["runs"]))
         path.write_text(json.dumps(results, indent=2))
-        plot(results, out / "replay.png")
+        plot(results, path.with_suffix(".png"))
         return
     with tempfile.TemporaryDirectory() as tmp:
         model = None
@@ -219,7 +224,7 @@ def main() -> None:
                 section.update(summarize(section["runs"]))
                 path.write_text(json.dumps(results, indent=2))
                 print(name, seed, {k: section["runs"][name][seed][k] for k in KEYS}, flush=True)
-    plot(results, out / "replay.png")
+    plot(results, path.with_suffix(".png"))
     print(json.dumps({k: v for k, v in section.items() if k != "runs"}, indent=2, default=str))
 
 

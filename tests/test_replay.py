@@ -133,10 +133,26 @@ def test_random_runs_keep_every_invariant(collect, schedule):
         _simulate(collect, schedule, seed)
 
 
-def _simulate(collect: str, schedule: str, seed: int) -> None:
+def test_a_tighter_replay_bound_holds_for_replayed_groups_only():
+    """``store.replay.stale_steps`` 1 under a job bound of 2: replayed tokens at most 1 version old, fresh ones 2."""
+    for seed in range(4):
+        _simulate("first_finished", "fixed", seed, replay_bound=1)
+
+
+def test_a_replay_bound_above_the_jobs_is_refused():
+    with pytest.raises(ConfigError, match="store.replay.stale_steps=3 is above the job's staleness bound 2"):
+        load_config(None, ["store.stale_steps=2", "store.replay.max_reuse=2", "store.replay.stale_steps=3"])
+    with pytest.raises(ConfigError, match="above the job's staleness bound 1"):
+        load_config(None, ["run.mode=one_step", "store.replay.max_reuse=2", "store.replay.stale_steps=2"])
+    with pytest.raises(ValueError, match="above the store's staleness bound"):
+        TrajectoryStore(batch_groups=2, stale_steps=1, replay=ReplayConfig(max_reuse=1, stale_steps=2))
+    load_config(None, ["store.stale_steps=2", "store.replay.max_reuse=2", "store.replay.stale_steps=1"])
+
+
+def _simulate(collect: str, schedule: str, seed: int, replay_bound: int | None = None) -> None:
     rng = random.Random(seed)
     b, s, reuse, steps = 3, 2, 2, 25
-    spec = ReplayConfig(max_reuse=reuse, ratio=0.67, schedule=schedule)
+    spec = ReplayConfig(max_reuse=reuse, ratio=0.67, schedule=schedule, stale_steps=replay_bound)
     store = TrajectoryStore(batch_groups=b, stale_steps=s, collect=collect, replay=spec)  # type: ignore[arg-type]
     accepted: list[str] = []
     trainings: Counter[str] = Counter()
@@ -165,6 +181,8 @@ def _simulate(collect: str, schedule: str, seed: int) -> None:
             assert len(batch) == b and len({g.id for g in batch}) == b
             for g in batch:
                 assert store.trainer_version - g.min_version() <= s, "trained past the staleness bound"
+                if replay_bound is not None and g.id in store.last_replayed:
+                    assert store.trainer_version - g.min_version() <= replay_bound, "replayed past the replay bound"
                 trainings[g.id] += 1
             await asyncio.sleep(rng.uniform(0.05, 0.6))
             await store.set_trainer_version(v + 1)
@@ -183,7 +201,7 @@ def _simulate(collect: str, schedule: str, seed: int) -> None:
     assert len(fresh) == store.fresh_taken == steps * b - sum(trainings.values()) + len(trainings)
     pending = {i.rsplit("-", 1)[0] for i in store.pending_ids()}
     assert set(accepted) == set(trainings) | pending | _dropped(store, accepted, trainings, pending)
-    assert store.metrics()["replay_max_staleness"] <= s
+    assert store.metrics()["replay_max_staleness"] <= (s if replay_bound is None else replay_bound)
 
 
 def _dropped(store: TrajectoryStore, accepted: list[str], trained: Counter[str], pending: set[str]) -> set[str]:

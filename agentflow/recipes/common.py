@@ -194,6 +194,7 @@ def replay_summary(job: Job, result: LoopResult) -> dict[str, Any] | None:
         "max_reuse": r.max_reuse,
         "ratio": r.ratio,
         "schedule": r.schedule,
+        "replay_bound": pool.stale_steps,  # versions a replayed group's oldest token may lag the trainer
         "replayed_groups": sum(result.replay_counts.values()),
         "fresh_groups": job.store.fresh_taken,
         "trainings_per_group": pool.trainings(),  # times trained in all -> groups
