@@ -50,6 +50,9 @@ depth trained the long-horizon job's steps ~10x slower than GRPO (up to 20 depth
 pass)."""
 
 
+TARGET_REF, TARGET_MARGIN = "turn", 0.02
+"""The cost-to-target comparison: tokens to reach the per-turn method's final success minus 0.02, per seed."""
+
 CONTESTED_BRANCHES = 12
 """Branches per group of ``tree-contested``: all of them at the states where the group's roots disagreed."""
 
@@ -129,6 +132,32 @@ def at_tokens(evals: list[dict[str, Any]], tokens: float) -> float:
     return evals[-1]["success"]
 
 
+def tokens_to(evals: list[dict[str, Any]], target: float) -> float | None:
+    """Generated tokens at which held-out success first reaches ``target`` (linear between evaluations), or None."""
+    for a, b in zip(evals, evals[1:], strict=False):
+        if a["success"] >= target:
+            return float(a["generated_tokens"])
+        if b["success"] >= target:
+            w = (target - a["success"]) / (b["success"] - a["success"])
+            return a["generated_tokens"] + w * (b["generated_tokens"] - a["generated_tokens"])
+    return None
+
+
+def to_target(runs: dict[str, dict[int, dict[str, Any]]], seeds: list[int]) -> dict[str, Any]:
+    """Tokens each method needs to reach ``TARGET_REF``'s final success minus ``TARGET_MARGIN`` (per seed, against that
+    seed's reference run): a cost to a level that does not saturate when every method nears full success."""
+    out: dict[str, Any] = {"target": f"{TARGET_REF} final success - {TARGET_MARGIN}", "per_seed": {}, "median": {}}
+    for s in seeds:
+        target = runs[TARGET_REF][s]["success_after_rl"] - TARGET_MARGIN
+        out["per_seed"][s] = {"target": round(target, 4)} | {m: tokens_to(curve(runs[m][s]), target) for m in runs}
+    for m in runs:  # a run that never reached its target counts as infinitely costly
+        costs = [out["per_seed"][s][m] for s in seeds]
+        out["median"][m] = statistics.median(c if c is not None else float("inf") for c in costs)
+        if out["median"][m] == float("inf"):
+            out["median"][m] = None
+    return out
+
+
 def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
     seeds = sorted(set.intersection(*(set(r) for r in runs.values())))
     out: dict[str, Any] = {"seeds": seeds, "methods": {}}
@@ -144,6 +173,8 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
         out["methods"][m]["success_at_equal_tokens_mean"] = statistics.fmean(
             runs[m][s]["success_at_equal_tokens"] for s in seeds
         )
+    if TARGET_REF in runs:
+        out["to_target"] = to_target(runs, seeds)
     out["runs"] = runs
     return out
 
