@@ -9,6 +9,7 @@ fractions, replayed share and the staleness of replayed tokens.
 
     .venv/bin/python benchmarks/replay.py                     # demo: Calc with tool latency (as async_vs_sync.py)
     .venv/bin/python benchmarks/replay.py --workload agentic  # the long-horizon job (configs/agentic.yaml)
+    .venv/bin/python benchmarks/replay.py --workload agentic --shipped  # ... at its shipped rates, not AS_MEASURED
     .venv/bin/python benchmarks/replay.py --quick             # CI: a tiny random model, a few steps
 
 Writes ``benchmarks/results/replay.json`` (one section per workload; rerunning one workload keeps the other) and
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import _path  # noqa: F401  (must come before the project's imports: see _path.py)
-from _agentic_workload import GRPO_JOB
+from _agentic_workload import AS_MEASURED, GRPO_JOB
 from async_vs_sync import TINY, SlowCalc, demo_policy
 
 import envs
@@ -63,8 +64,8 @@ def _overrides(args: argparse.Namespace, setting: str, seed: int, run_dir: Path,
     ]
     if args.workload == "demo":
         o += ["env.id=bench/SlowCalc-v0", "env.kwargs={median_s: 0.3}", "sft.enabled=false", f"model.path={model}"]
-    else:  # the job as the benchmarks measure it (GRPO), this run's steps
-        o = [*GRPO_JOB, *o]
+    else:  # the job as the benchmarks measure it (GRPO), this run's steps; --shipped: at the config's own rates
+        o = [*(j for j in GRPO_JOB if not (args.shipped and j in AS_MEASURED)), *o]
     if args.workload == "agentic" and model is not None:  # agentic --quick
         o += [f"model.path={model}", "sft.enabled=false", "env.kwargs={task_types: [short]}"]
     if args.quick:
@@ -73,8 +74,13 @@ def _overrides(args: argparse.Namespace, setting: str, seed: int, run_dir: Path,
     return o
 
 
+def section_name(args: argparse.Namespace) -> str:
+    """The results section: the workload, ``-shipped`` for the long-horizon job at its shipped rates."""
+    return f"{args.workload}-shipped" if args.shipped else args.workload
+
+
 def run_one(args: argparse.Namespace, setting: str, seed: int, model: Path | None) -> dict[str, Any]:
-    run_dir = Path(args.runs) / f"replay-{args.workload}-{setting}-s{seed}"
+    run_dir = Path(args.runs) / f"replay-{section_name(args)}-{setting}-s{seed}"
     config = "configs/demo.yaml" if args.workload == "demo" else "configs/agentic.yaml"
     cfg = load_config(None if args.quick and args.workload == "demo" else config,
                       _overrides(args, setting, seed, run_dir, model))  # fmt: skip
@@ -151,9 +157,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = [w for w in ("demo", "agentic") if w in results]
+    workloads = [w for w in ("demo", "agentic", "agentic-shipped") if w in results]
     fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.6 * len(workloads)), squeeze=False)
-    colors = {"none": "tab:gray", "fixed": "tab:blue", "adaptive": "tab:green"}
+    colors = {"none": "tab:gray", "fixed": "tab:blue", "adaptive": "tab:green", "adaptive-tight": "tab:olive"}
     for row, w in zip(axes, workloads, strict=True):
         for name, by_seed in results[w]["runs"].items():
             for i, r in enumerate(by_seed.values()):
@@ -180,11 +186,15 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument("--eval-episodes", type=int, default=None)
     ap.add_argument("--stale-steps", type=int, default=3, help="the staleness bound of every setting")
+    ap.add_argument("--shipped", action="store_true",
+                    help="agentic: the config's own warm-up and RL rates (own section), not AS_MEASURED")  # fmt: skip
     ap.add_argument("--runs", default="runs", help="where the run directories go")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--fresh", action="store_true", help="rerun runs already in replay.json with the same settings")
     ap.add_argument("--summarize-only", action="store_true", help="recompute the tables and plot from replay.json")
     args = ap.parse_args()
+    if args.shipped and args.workload != "agentic":
+        ap.error("--shipped applies to --workload agentic only (the demo has no pinned rates)")
     full = {"demo": (150, 15, 200), "agentic": (40, 10, 100)}[args.workload]
     steps, every, episodes = (4, 2, 4) if args.quick else full
     args.steps, args.eval_every = args.steps or steps, args.eval_every or every
@@ -197,10 +207,10 @@ def main() -> None:
     skip = ("out", "runs", "seeds", "settings", "fresh", "summarize_only")
     config = {k: v for k, v in vars(args).items() if k not in skip}
     section: dict[str, Any] = {"runs": {}, "config": config}
-    old = results.get(args.workload, {})
+    old = results.get(section_name(args), {})
     if not args.fresh and old.get("config") == config:  # the same benchmark: keep its finished runs, skip them
         section["runs"] = {n: {int(k): r for k, r in by.items()} for n, by in old.get("runs", {}).items()}
-    results[args.workload] = section
+    results[section_name(args)] = section
     if args.summarize_only:
         for sec in results.values():
             sec["runs"] = {n: {int(k): r for k, r in by.items()} for n, by in sec["runs"].items()}
