@@ -204,7 +204,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("replay_quick.json" if args.quick else "replay.json")  # a quick run never overwrites the real one
     results = json.loads(path.read_text()) if path.is_file() and not args.quick else {}
-    skip = ("out", "runs", "seeds", "settings", "fresh", "summarize_only")
+    skip = ("out", "runs", "seeds", "settings", "fresh", "summarize_only", "shipped")  # shipped: in the section name
     config = {k: v for k, v in vars(args).items() if k not in skip}
     section: dict[str, Any] = {"runs": {}, "config": config}
     old = results.get(section_name(args), {})
