@@ -186,12 +186,15 @@ def plot(table: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(table), figsize=(6 * len(table), 4), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (workload, t) in zip(axes[0], table.items(), strict=True):
-        for m, by_seed in t["runs"].items():
-            for s, r in by_seed.items():
+        for m, by_seed in t["runs"].items():  # one colour per method (the same in every panel), a line style per seed
+            i = list(methods(8)).index(m)
+            for j, (s, r) in enumerate(sorted(by_seed.items())):
                 points = curve(r)
                 xs = [e["generated_tokens"] for e in points]
-                ax.plot(xs, [e["success"] for e in points], marker=".", label=f"{m} s{s}")
+                ax.plot(xs, [e["success"] for e in points], marker=".", color=colors[i % len(colors)],
+                        ls=("-", "--", ":", "-.")[j % 4], label=f"{m} s{s}")  # fmt: skip
         ax.set_xlabel("generated model tokens")
         ax.set_ylabel("held-out success")
         ax.set_title(workload)
