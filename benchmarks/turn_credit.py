@@ -17,7 +17,9 @@ same budget of generated tokens (``run.max_generated_tokens``; ``--steps`` is th
 more steps; the comparison at equal tokens takes each run's success at the smallest final token count of any run
 (``equal_tokens``; linear between evaluations). Writes ``benchmarks/results/turn_credit.json`` (one section per
 workload) and ``turn_credit.png``. The long-horizon job runs at the rates its stored runs had (``AS_MEASURED``);
-``--shipped`` runs it at the config's own rates instead, into a section of its own (``agentic-shipped``).
+``--shipped`` runs it at the config's own rates instead, into a section of its own (``agentic-shipped``). ``--tag
+NAME`` puts runs into a section of their own (``demo-NAME``) when they must not be compared with the stored ones
+(another kind of machine, where the warm-up came out differently).
 
     .venv/bin/python benchmarks/turn_credit.py --workload agentic --seeds 0 1 2 --tokens 300000 --steps 200
     .venv/bin/python benchmarks/turn_credit.py --workload demo
@@ -88,7 +90,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
             f"eval.episodes={args.eval_episodes}",
             *([f"run.max_generated_tokens={args.tokens}"] if args.tokens else []),
             *methods(base.rollout.group_size, args.tree_select, args.tree_branches)[method]]  # fmt: skip
-    if section(args) == "agentic":  # the stored runs' rates: new runs compare with them
+    if args.workload == "agentic" and not args.shipped:  # the stored runs' rates: new runs compare with them
         over += AS_MEASURED
     if model is not None:  # --quick
         over += [
@@ -108,8 +110,10 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
 
 
 def section(args: argparse.Namespace) -> str:
-    """The results section of a run: the workload, ``-shipped`` for the long-horizon job at its shipped rates."""
-    return f"{args.workload}-shipped" if args.shipped else args.workload
+    """The results section of a run: the workload, ``-shipped`` for the long-horizon job at its shipped rates, and
+    ``-TAG`` for runs that must not be compared with the untagged ones (``--tag``: another machine, another warm-up)."""
+    name = f"{args.workload}-shipped" if args.shipped else args.workload
+    return f"{name}-{args.tag}" if args.tag else name
 
 
 def curve(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -226,6 +230,7 @@ def main() -> None:
         action="store_true",
         help="agentic: the shipped warm-up and RL rates (results in their own section), not AS_MEASURED",
     )
+    ap.add_argument("--tag", default=None, help="a section of its own for these runs (another machine or warm-up)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--report", action="store_true", help="only rewrite the table and plot from the stored runs")
     ap.add_argument("--out", default="benchmarks/results")
