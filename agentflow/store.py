@@ -509,3 +509,4 @@ class ReplaySpec(Protocol):
     ratio: float
     schedule: Schedule
     skip_uniform: bool
+    stale_steps: int | None
