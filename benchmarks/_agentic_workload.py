@@ -27,10 +27,21 @@ AS_MEASURED = ("sft.lr=2.0e-3", "trainer.lr=1.0e-4")
 has since moved to a warm-up that took the same path under two kernel sets, and a lower RL rate to go with it; on
 some machines the warm-up pinned here does not learn the code's copy: docs/results.md, "The warm-up depends on the
 machine")."""
-GRPO_JOB = ("trainer.turn_credit=false", "trainer.turn_phases=null", "run.steps=100", *AS_MEASURED)
+GRPO_SHAPE = ("trainer.turn_credit=false", "trainer.turn_phases=null", "run.steps=100")
+"""Trajectory-level GRPO for 100 steps, at whatever rates the config has (``--shipped`` runs)."""
+GRPO_JOB = (*GRPO_SHAPE, *AS_MEASURED)
 """The long-horizon job as the benchmarks measure it: trajectory-level GRPO, 100 steps (the shipped config trains
 with per-turn credit for 40 steps, whose trainer does several passes a step), at the rates it was measured with;
 later overrides win."""
+
+
+def section(workload: str, shipped: bool, tag: str | None = None) -> str:
+    """A benchmark's results section: the workload, ``-shipped`` for the long-horizon job at the config's own rates
+    instead of :data:`AS_MEASURED`, ``-TAG`` for runs that must not be compared with the untagged ones."""
+    name = f"{workload}-shipped" if shipped else workload
+    return f"{name}-{tag}" if tag else name
+
+
 KEYS = (
     "trained_samples_per_s", "rl_wall_s", "rl_steps", "engine_busy_fraction", "trainer_busy_fraction",
     "overlap_fraction", "mean_staleness", "max_staleness_seen", "success_before_rl", "success_after_rl",

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import _path  # noqa: F401  (must come before the project's imports: see _path.py)
-from _agentic_workload import AS_MEASURED, GRPO_JOB
+from _agentic_workload import GRPO_JOB, GRPO_SHAPE
+from _agentic_workload import section as section_of
 from async_vs_sync import TINY, SlowCalc, demo_policy
 
 import envs
@@ -41,11 +42,8 @@ SETTINGS = {
     "none": [],
     "fixed": ["store.replay.max_reuse=2", "store.replay.ratio=0.5", "store.replay.schedule=fixed"],
     "adaptive": ["store.replay.max_reuse=2", "store.replay.ratio=0.75", "store.replay.schedule=adaptive"],
-    # adaptive, replayed groups held one version tighter than fresh ones (store.replay.stale_steps, set in _overrides)
-    "adaptive-tight": ["store.replay.max_reuse=2", "store.replay.ratio=0.75", "store.replay.schedule=adaptive"],
 }
-TIGHT = {"adaptive-tight": 1}
-"""Settings whose replay bound is ``--stale-steps`` minus this many versions."""
+SETTINGS["adaptive-tight"] = SETTINGS["adaptive"]  # + replayed groups one version under the job's bound (_overrides)
 KEYS = ("success_before_rl", "success_after_rl", "rl_wall_s", "trajectories_trained", "engine_busy_fraction",
         "trainer_busy_fraction", "mean_staleness", "max_staleness_seen", "dropped_stale_groups")  # fmt: skip
 
@@ -58,14 +56,14 @@ def _overrides(args: argparse.Namespace, setting: str, seed: int, run_dir: Path,
         "run.progress=false",
         "run.overwrite=true",
         f"store.stale_steps={args.stale_steps}",
-        *([f"store.replay.stale_steps={args.stale_steps - TIGHT[setting]}"] if setting in TIGHT else []),
+        *([f"store.replay.stale_steps={args.stale_steps - 1}"] if setting == "adaptive-tight" else []),
         f"eval.every_steps={args.eval_every}",
         f"eval.episodes={args.eval_episodes}",
     ]
     if args.workload == "demo":
         o += ["env.id=bench/SlowCalc-v0", "env.kwargs={median_s: 0.3}", "sft.enabled=false", f"model.path={model}"]
     else:  # the job as the benchmarks measure it (GRPO), this run's steps; --shipped: at the config's own rates
-        o = [*(j for j in GRPO_JOB if not (args.shipped and j in AS_MEASURED)), *o]
+        o = [*(GRPO_SHAPE if args.shipped else GRPO_JOB), *o]
     if args.workload == "agentic" and model is not None:  # agentic --quick
         o += [f"model.path={model}", "sft.enabled=false", "env.kwargs={task_types: [short]}"]
     if args.quick:
@@ -74,13 +72,8 @@ def _overrides(args: argparse.Namespace, setting: str, seed: int, run_dir: Path,
     return o
 
 
-def section_name(args: argparse.Namespace) -> str:
-    """The results section: the workload, ``-shipped`` for the long-horizon job at its shipped rates."""
-    return f"{args.workload}-shipped" if args.shipped else args.workload
-
-
 def run_one(args: argparse.Namespace, setting: str, seed: int, model: Path | None) -> dict[str, Any]:
-    run_dir = Path(args.runs) / f"replay-{section_name(args)}-{setting}-s{seed}"
+    run_dir = Path(args.runs) / f"replay-{section_of(args.workload, args.shipped)}-{setting}-s{seed}"
     config = "configs/demo.yaml" if args.workload == "demo" else "configs/agentic.yaml"
     cfg = load_config(None if args.quick and args.workload == "demo" else config,
                       _overrides(args, setting, seed, run_dir, model))  # fmt: skip
@@ -207,10 +200,10 @@ def main() -> None:
     skip = ("out", "runs", "seeds", "settings", "fresh", "summarize_only", "shipped")  # shipped: in the section name
     config = {k: v for k, v in vars(args).items() if k not in skip}
     section: dict[str, Any] = {"runs": {}, "config": config}
-    old = results.get(section_name(args), {})
+    old = results.get(section_of(args.workload, args.shipped), {})
     if not args.fresh and old.get("config") == config:  # the same benchmark: keep its finished runs, skip them
         section["runs"] = {n: {int(k): r for k, r in by.items()} for n, by in old.get("runs", {}).items()}
-    results[section_name(args)] = section
+    results[section_of(args.workload, args.shipped)] = section
     if args.summarize_only:
         for sec in results.values():
             sec["runs"] = {n: {int(k): r for k, r in by.items()} for n, by in sec["runs"].items()}

@@ -38,6 +38,7 @@ from typing import Any
 
 import _path  # noqa: F401  (must come before the project's imports: see _path.py)
 from _agentic_workload import AS_MEASURED
+from _agentic_workload import section as section_of
 from async_vs_sync import TINY
 
 from agentflow.config import load_config
@@ -110,10 +111,8 @@ def run_one(args: argparse.Namespace, method: str, seed: int, model: Path | None
 
 
 def section(args: argparse.Namespace) -> str:
-    """The results section of a run: the workload, ``-shipped`` for the long-horizon job at its shipped rates, and
-    ``-TAG`` for runs that must not be compared with the untagged ones (``--tag``: another machine, another warm-up)."""
-    name = f"{args.workload}-shipped" if args.shipped else args.workload
-    return f"{name}-{args.tag}" if args.tag else name
+    """The results section of a run (``--tag``: another machine or warm-up, never compared with untagged runs)."""
+    return section_of(args.workload, args.shipped, args.tag)
 
 
 def curve(run: dict[str, Any]) -> list[dict[str, Any]]:
