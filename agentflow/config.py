@@ -202,10 +202,10 @@ class ReplayConfig(Section):
     within ``store.stale_steps`` versions of the trainer, so reuse beyond ``stale_steps`` never happens."""
     ratio: float = Field(0.5, ge=0.0, lt=1.0)
     """``fixed``: the share of each batch's groups taken from replay (``round(ratio * B)``, fewer while fewer are
-    eligible); ``adaptive``: the largest share. A batch always keeps at least one fresh group."""
+    eligible); ``adaptive``: at most ``round(ratio * B)`` replays per batch. A batch always keeps one fresh group."""
     schedule: Literal["fixed", "adaptive"] = "fixed"
-    """``adaptive`` replays only what generation cannot supply during one train step, from the measured rate of
-    finished groups and the trainer's step time (logged every step as ``store/replay_*``)."""
+    """``adaptive`` replays only what generation cannot supply while one batch trains, from the measured rate of
+    finished groups and the trainer's step cost per group (decisions logged every step as ``store/replay_*``)."""
     skip_uniform: bool = True
     """Do not keep groups whose rewards are all equal: under group-relative advantages they have no policy gradient."""
     stale_steps: int | None = Field(None, ge=1)

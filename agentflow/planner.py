@@ -363,6 +363,7 @@ async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
     wall = max(loop.time() - start, 1e-9)
     m = store.metrics()
     busy = sum(b - a for a, b in trainer.busy)
+    replays = sum(result.replay_counts.values())
     work = sum(trainer.step_s(k) for k in trainer.samples)
     return SimResult(
         samples_per_s=len(result.trained_ids) / wall,
@@ -375,7 +376,7 @@ async def _simulate(profile: RunProfile, sc: Scenario) -> SimResult:
         trainer_stretch=busy / work if work else 1.0,
         steady_samples_per_s=_steady(clock.ends, len(result.trained_ids), wall),
         updates_per_s=result.steps / wall,
-        replayed_share=sum(result.replay_counts.values()) / max(result.steps * sc.batch_groups, 1),
+        replayed_share=replays / max(replays + store.fresh_taken, 1),
         prefix_reuse=_reuse(engines),
     )
 

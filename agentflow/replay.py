@@ -8,9 +8,11 @@ log-probs recorded with every token) applies to them unchanged. Groups whose rew
 under group-relative advantages they contribute no policy gradient, so replaying one spends a batch slot on nothing.
 
 How many of a batch are replayed is the :class:`ReplayScheduler`'s choice: ``fixed`` takes ``round(ratio * B)``
-whenever that many are eligible; ``adaptive`` measures the rate at which fresh groups finish and the trainer's step
-time, and replays only what generation cannot supply during one step (never more than ``ratio * B``). Either way a
-batch keeps at least one fresh group, so the job always moves on to new data.
+whenever that many are eligible, in batches of ``B``; ``adaptive`` fills the trainer's idle time. It never waits for
+fresh groups that replays can stand in for, trains a backlog of finished fresh groups rather than replaying over it,
+and adds replays on top of a full fresh batch while the measured step time stays under the time generation needs
+for the fresh part (so the engines are not left waiting on the trainer). Either way a batch keeps at least one fresh
+group, so the job always moves on to new data, and the pool replays the groups nearest to their bound first.
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ class ReplayPool:
         self._entries[group.id] = _Entry(group, group.min_version(), replays)
 
     def eligible(self, trainer_version: int) -> list[_Entry]:
-        """Entries that may be trained at ``trainer_version``: fewest replays first, then freshest tokens first."""
+        """Entries that may be trained at ``trainer_version``: nearest to the bound first (they expire first, and a
+        replay not taken before then is lost), then fewest replays."""
         ok = [e for e in self._entries.values() if trainer_version - e.min_version <= self.stale_steps]
-        return sorted(ok, key=lambda e: (e.replays, -e.min_version))
+        return sorted(ok, key=lambda e: (e.min_version, e.replays))
 
     def take(self, k: int, trainer_version: int) -> list[Group]:
         """Up to ``k`` eligible groups for the batch trained at ``trainer_version``; their reuse is counted."""
@@ -132,13 +135,18 @@ class _Ema:
 
 @dataclass
 class ReplayScheduler:
-    """How many of the next batch's ``B`` groups are replayed, and how many fresh groups dispatch plans for.
+    """How many of the next batch's groups are replayed, how many are fresh, and the fresh groups dispatch plans for.
 
-    ``adaptive``: with ``g`` the measured rate at which fresh groups finish (groups/s, between batch requests) and
-    ``T`` the trainer's time from taking a batch to asking for the next (score, train, weight sync), generation
-    supplies about ``g * T`` fresh groups per step. The next batch takes ``max(ceil(g * T), ready)`` fresh groups
-    (``ready``: finished ones the batch could take at once, so a backlog is trained rather than replayed over),
-    between ``B - k_max`` and ``B``; the rest is replayed. Before the first measurement it takes ``B`` fresh.
+    ``fixed``: ``k = round(ratio * B)`` replays (fewer while fewer are eligible) and ``B - k`` fresh groups.
+
+    ``adaptive``, with ``r`` the replays the pool can give now (at most ``round(ratio * B)``), ``g`` the measured rate
+    at which fresh groups finish and ``c`` the measured cost of a step per group trained (from taking a batch to
+    asking for the next: score, train, weight sync): the batch takes ``f = min(B, max(ceil(g * c * B), B - r))``
+    fresh groups, what generation supplies while one batch trains (no replay where it keeps up), and replays the
+    other ``B - f``. Before the first measurement it replays like ``fixed``.
+
+    Dispatch plans for ``B - round(ratio * B)`` fresh groups per batch under both schedules: no batch takes fewer, so
+    the window's deadlines hold whatever the scheduler decides later.
     """
 
     batch_groups: int
@@ -146,16 +154,14 @@ class ReplayScheduler:
     schedule: Schedule = "fixed"
     rate: _Ema = field(default_factory=_Ema)
     step_s: _Ema = field(default_factory=_Ema)
+    group_s: _Ema = field(default_factory=_Ema)
+    """Seconds per group trained, from the last steps."""
     last: dict[str, float] = field(default_factory=dict)
     """The last decision (logged with every step's store metrics)."""
     _last_out: float | None = None
+    _last_size: int = 0
     _last_request: float | None = None
     _accepted_since: int = 0
-    _fresh_plan: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.schedule == "fixed":  # the window plans for the fixed share from the start
-            self._fresh_plan = self.batch_groups - self.max_replays
 
     @property
     def max_replays(self) -> int:
@@ -169,31 +175,32 @@ class ReplayScheduler:
         """The trainer asks for a batch: its step time since the last batch, the generation rate since the last ask."""
         if self._last_out is not None:
             self.step_s.add(now - self._last_out)
+            if self._last_size:
+                self.group_s.add((now - self._last_out) / self._last_size)
         if self._last_request is not None and now > self._last_request:
             self.rate.add(self._accepted_since / (now - self._last_request))
         self._last_request, self._accepted_since = now, 0
 
-    def on_batch_out(self, now: float) -> None:
-        self._last_out = now
+    def on_batch_out(self, now: float, size: int = 0) -> None:
+        self._last_out, self._last_size = now, size
 
-    def plan(self, ready: int) -> int:
-        """Replays wanted for the next batch, given ``ready`` finished fresh groups waiting."""
-        b = self.batch_groups
-        if self.schedule == "fixed":
-            k = self.max_replays
-        elif self.rate.value is None or self.step_s.value is None:
-            k = 0
-        else:
-            supply = math.ceil(self.rate.value * self.step_s.value - 1e-9)
-            k = b - min(b, max(supply, ready, b - self.max_replays))
-        self._fresh_plan = b - k
-        self.last = {"replay_wanted": k, "replay_ready_at_request": ready}
+    def plan(self, ready: int, eligible: int | None = None) -> int:
+        """Replays wanted for the next batch, given ``eligible`` groups the pool could replay now (None: as many as
+        wanted); ``ready``, the finished fresh groups waiting, is logged with the decision."""
+        b, cap = self.batch_groups, self.max_replays
+        if eligible is not None:
+            cap = min(cap, eligible)
+        supply = 0
+        if self.schedule == "adaptive" and self.rate.value is not None and self.group_s.value is not None:
+            supply = math.ceil(self.rate.value * self.group_s.value * b - 1e-9)
+        k = b - min(b, max(supply, b - cap))
+        self.last = {"replay_wanted": k, "replay_ready_at_request": ready, "replay_supply": supply}
         return k
 
     @property
     def fresh_plan(self) -> int:
-        """Fresh groups per batch that dispatch plans ahead for (the window): the last plan, or ``B`` before one."""
-        return self.batch_groups if self._fresh_plan is None else self._fresh_plan
+        """Fresh groups per batch that dispatch plans ahead for (the window): the fewest any batch takes."""
+        return self.batch_groups - self.max_replays
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"replay_fresh_plan": self.fresh_plan, **self.last}
@@ -201,4 +208,6 @@ class ReplayScheduler:
             out["replay_gen_rate"] = self.rate.value
         if self.step_s.value is not None:
             out["replay_step_s"] = self.step_s.value
+        if self.group_s.value is not None:
+            out["replay_group_s"] = self.group_s.value
         return out

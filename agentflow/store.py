@@ -14,7 +14,7 @@ Episode length, for the length-bias accounting, is the number of model-generated
 With replay (:mod:`agentflow.replay`) a batch is ``f`` fresh groups plus ``B - f`` trained-before ones, so the gate
 counts fresh groups: the n-th may start while ``n < F + f_t + stale_steps * f_plan``, where ``F`` is the fresh groups
 trained by the versions before the trainer's current one ``t``, ``f_t`` the fresh groups of version ``t``'s batch and
-``f_plan`` the scheduler's fresh groups per batch after it. With ``f = B`` (no replay) that is the gate above. With
+``f_plan`` the fewest fresh groups a later batch takes. With ``f = B`` (no replay) that is the gate above. With
 replay, dispatch also waits until no episode queues for a concurrency slot (:meth:`agentflow.rollout.Rollouts.feed`).
 """
 
@@ -337,7 +337,7 @@ class TrajectoryStore:
                 if batch is not None:
                     break
                 await self._cond.wait()
-            replayed = self._take_replays(k)
+            replayed = self._take_replays(k, len(batch))
             self._refuse_future_versions(batch + replayed)
             self.last_batch_len = _Lengths()
             for g in batch:
@@ -360,7 +360,8 @@ class TrajectoryStore:
         if self.scheduler is None:
             return 0
         self.scheduler.on_request(asyncio.get_running_loop().time())
-        return self.scheduler.plan(ready=self._takeable())
+        eligible = len(self.pool.eligible(self.trainer_version)) if self.pool is not None else 0
+        return self.scheduler.plan(ready=self._takeable(), eligible=eligible)
 
     def _takeable(self) -> int:
         """Finished groups a batch could take now: under ``fifo`` the finished run from the oldest dispatched one
@@ -377,12 +378,12 @@ class TrajectoryStore:
     def _replays_now(self, want: int) -> int:
         return 0 if self.pool is None else min(want, len(self.pool.eligible(self.trainer_version)))
 
-    def _take_replays(self, k: int) -> list[Group]:
+    def _take_replays(self, k: int, fresh: int) -> list[Group]:
         if self.pool is None or self.scheduler is None:
             return []
         replayed = self.pool.take(k, self.trainer_version)
         self.last_replayed = {g.id for g in replayed}
-        self.scheduler.on_batch_out(asyncio.get_running_loop().time())
+        self.scheduler.on_batch_out(asyncio.get_running_loop().time(), fresh + len(replayed))
         return replayed
 
     def _refuse_future_versions(self, batch: list[Group]) -> None:

@@ -59,6 +59,7 @@ def _overrides(args: argparse.Namespace, setting: str, seed: int, run_dir: Path,
         *([f"store.replay.stale_steps={args.stale_steps - 1}"] if setting == "adaptive-tight" else []),
         f"eval.every_steps={args.eval_every}",
         f"eval.episodes={args.eval_episodes}",
+        *args.set,
     ]
     if args.workload == "demo":
         o += ["env.id=bench/SlowCalc-v0", "env.kwargs={median_s: 0.3}", "sft.enabled=false", f"model.path={model}"]
@@ -179,6 +180,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=None)
     ap.add_argument("--eval-episodes", type=int, default=None)
     ap.add_argument("--stale-steps", type=int, default=3, help="the staleness bound of every setting")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every setting")
     ap.add_argument("--shipped", action="store_true",
                     help="agentic: the config's own warm-up and RL rates (own section), not AS_MEASURED")  # fmt: skip
     ap.add_argument("--runs", default="runs", help="where the run directories go")

@@ -31,14 +31,17 @@ def test_pool_replays_within_the_bound_and_at_most_max_reuse_times():
     pool = ReplayPool(max_reuse=2, stale_steps=2)
     pool.add(_group("a", 0))
     pool.add(_group("b", 1))
-    assert [g.id for g in pool.take(1, 2)] == ["b"]  # fewest replays, then freshest tokens
+    assert [g.id for g in pool.take(1, 2)] == ["a"]  # nearest to the bound first (a expires after version 2)
     assert [g.id for g in pool.take(2, 2)] == ["a", "b"]
-    assert len(pool) == 1 and pool.state() == {"a": 1}  # b reached max_reuse and left
-    assert pool.take(1, 3) == []  # a's tokens (version 0) are 3 stale at version 3: never replayed
-    pool.expire(3)
+    assert len(pool) == 1 and pool.state() == {"b": 1}  # a reached max_reuse and left
+    assert [g.id for g in pool.take(1, 3)] == ["b"]  # version 1's tokens are 2 stale at version 3: still in bound
+    assert pool.take(1, 4) == []  # b left after its second replay
+    pool.add(_group("c", 1))
+    assert pool.take(1, 4) == []  # c's tokens are 3 stale at version 4: never replayed
+    pool.expire(4)
     assert len(pool) == 0 and pool.expired == 1
-    assert pool.trainings() == {"2": 1, "3": 1}  # a trained twice in all, b three times
-    assert pool.staleness_hist == Counter({1: 4, 2: 2})  # per replayed trajectory: b at 1 twice, a at 2 once
+    assert pool.trainings() == {"1": 1, "3": 2}  # a and b trained three times in all, c once
+    assert pool.staleness_hist == Counter({2: 6, 1: 2})  # per replayed trajectory: a at 2 twice, b at 1 then 2
 
 
 def test_pool_leaves_out_groups_without_a_gradient():
@@ -105,22 +108,30 @@ def test_episode_slots_report_when_no_episode_waits():
     asyncio.run(go())
 
 
+def _measured(s: ReplayScheduler, groups_per_s: float, step_s: float, batch: int) -> None:
+    """Feed ``s`` one measurement: fresh groups finishing at ``groups_per_s``, a step of ``step_s`` over ``batch``."""
+    s.on_request(0.0)
+    s.on_batch_out(0.0, batch)
+    for _ in range(round(groups_per_s * step_s)):
+        s.on_accept()
+    s.on_request(step_s)
+
+
 def test_adaptive_replays_only_what_generation_cannot_supply():
     s = ReplayScheduler(batch_groups=8, ratio=0.75, schedule="adaptive")
-    assert s.plan(ready=0) == 0  # nothing measured yet: all fresh
-    s.on_request(0.0)
-    s.on_batch_out(0.0)
-    for _ in range(3):
-        s.on_accept()
-    s.on_request(10.0)  # 3 groups in 10 s, a 10 s step: 3 fresh groups per step
-    assert s.rate.value == pytest.approx(0.3) and s.step_s.value == pytest.approx(10.0)
-    assert s.plan(ready=0) == 5 and s.fresh_plan == 3
-    assert s.plan(ready=7) == 1  # a backlog is trained before anything is replayed
-    assert s.plan(ready=20) == 0
+    assert s.fresh_plan == 2  # the window plans for the fewest fresh groups a batch takes
+    assert s.plan(ready=0, eligible=10) == 6  # nothing measured: replays like fixed
+    assert s.plan(ready=0, eligible=2) == 2  # what the pool cannot give, fresh groups do
+    _measured(s, groups_per_s=1.0, step_s=4.0, batch=8)  # 0.5 s per group trained: 4 fresh groups per step
+    assert s.rate.value == pytest.approx(1.0) and s.group_s.value == pytest.approx(0.5)
+    assert s.plan(ready=0, eligible=10) == 4 and s.plan(ready=20, eligible=10) == 4
+    busy = ReplayScheduler(batch_groups=8, ratio=0.75, schedule="adaptive")
+    _measured(busy, groups_per_s=4.0, step_s=2.0, batch=8)  # generation supplies a full batch during a step
+    assert busy.plan(ready=0, eligible=10) == 0
     slow = ReplayScheduler(batch_groups=8, ratio=0.5, schedule="adaptive")
-    slow.rate.add(0.0)
-    slow.step_s.add(1.0)
-    assert slow.plan(ready=0) == 4  # capped at ratio * B
+    _measured(slow, groups_per_s=0.0, step_s=1.0, batch=8)  # nothing finished: the trainer would only wait
+    assert slow.plan(ready=0, eligible=10) == 4  # capped at ratio * B
+    assert ReplayScheduler(batch_groups=8, ratio=0.5, schedule="fixed").plan(ready=20, eligible=1) == 1
     assert ReplayScheduler(batch_groups=2, ratio=0.9).max_replays == 1  # a batch keeps one fresh group
 
 
@@ -156,6 +167,7 @@ def _simulate(collect: str, schedule: str, seed: int, replay_bound: int | None =
     store = TrajectoryStore(batch_groups=b, stale_steps=s, collect=collect, replay=spec)  # type: ignore[arg-type]
     accepted: list[str] = []
     trainings: Counter[str] = Counter()
+    sizes: list[int] = []
 
     async def episode(i: int) -> None:
         gid = f"g{i}"
@@ -178,7 +190,8 @@ def _simulate(collect: str, schedule: str, seed: int, replay_bound: int | None =
         feeder = asyncio.create_task(feed())
         for v in range(steps):
             batch = await store.get_batch()
-            assert len(batch) == b and len({g.id for g in batch}) == b
+            sizes.append(len(batch))
+            assert len(batch) == b and len({g.id for g in batch}) == b and len(batch) - len(store.last_replayed) >= 1
             for g in batch:
                 assert store.trainer_version - g.min_version() <= s, "trained past the staleness bound"
                 if replay_bound is not None and g.id in store.last_replayed:
@@ -198,7 +211,7 @@ def _simulate(collect: str, schedule: str, seed: int, replay_bound: int | None =
     assert max(trainings.values()) <= 1 + reuse
     assert store.pool is not None and store.pool.replayed_groups > 0  # replay actually happened
     fresh = [g for g in trainings if g in accepted]
-    assert len(fresh) == store.fresh_taken == steps * b - sum(trainings.values()) + len(trainings)
+    assert len(fresh) == store.fresh_taken == sum(sizes) - sum(trainings.values()) + len(trainings)
     pending = {i.rsplit("-", 1)[0] for i in store.pending_ids()}
     assert set(accepted) == set(trainings) | pending | _dropped(store, accepted, trainings, pending)
     assert store.metrics()["replay_max_staleness"] <= (s if replay_bound is None else replay_bound)
