@@ -35,6 +35,7 @@ from async_vs_sync import TINY, SlowCalc, demo_policy
 import envs
 from agentflow.config import load_config
 from agentflow.model_init import init_model
+from agentflow.recipes.common import busy_fraction, eval_spans
 from agentflow.recipes.rl import run_job
 
 #: replay settings compared: name -> store overrides (the same job staleness bound for all)
@@ -73,8 +74,20 @@ def _overrides(args: argparse.Namespace, setting: str, seed: int, run_dir: Path,
     return o
 
 
+def run_dir_of(args: argparse.Namespace, setting: str, seed: int) -> Path:
+    return Path(args.runs) / f"replay-{section_of(args.workload, args.shipped)}-{setting}-s{seed}"
+
+
+def rl_fractions(summary: dict[str, Any]) -> dict[str, float]:
+    """Engine and trainer busy fractions of the RL time without the in-loop evaluations, from a run's timeline (what
+    the job's summary reports; recomputed here for runs whose summary still counted the evaluations' time)."""
+    evals, wall = eval_spans(summary["evals"]), summary["rl_wall_s"]
+    tl = summary["timeline"]
+    return {f"{k}_busy_fraction": busy_fraction([tuple(x) for x in tl[k]], evals, wall) for k in ("engine", "trainer")}
+
+
 def run_one(args: argparse.Namespace, setting: str, seed: int, model: Path | None) -> dict[str, Any]:
-    run_dir = Path(args.runs) / f"replay-{section_of(args.workload, args.shipped)}-{setting}-s{seed}"
+    run_dir = run_dir_of(args, setting, seed)
     config = "configs/demo.yaml" if args.workload == "demo" else "configs/agentic.yaml"
     cfg = load_config(None if args.quick and args.workload == "demo" else config,
                       _overrides(args, setting, seed, run_dir, model))  # fmt: skip
@@ -209,6 +222,12 @@ def main() -> None:
     if args.summarize_only:
         for sec in results.values():
             sec["runs"] = {n: {int(k): r for k, r in by.items()} for n, by in sec["runs"].items()}
+        for name, by_seed in section["runs"].items():  # this workload's runs whose run directory is still here
+            for seed, run in by_seed.items():
+                summary = run_dir_of(args, name, seed) / "summary.json"
+                if summary.is_file():
+                    run.update(rl_fractions(json.loads(summary.read_text())))
+        for sec in results.values():
             sec.update(summarize(sec["runs"]))
         path.write_text(json.dumps(results, indent=2))
         plot(results, path.with_suffix(".png"))

@@ -363,3 +363,15 @@ def _flat(d: dict, prefix: str = "") -> dict:
         elif v is not None and not isinstance(v, dict | list):  # None: the default, not writable as an override
             out[f"{prefix}{k}"] = v
     return out
+
+
+def test_busy_fractions_leave_out_the_in_loop_evaluations():
+    """The trainer waits through an evaluation by design: its time counts neither as busy nor as RL time."""
+    from agentflow.recipes.common import busy_fraction, eval_spans, overlap_spans
+
+    evals = eval_spans([{"rl_s": 10.0, "eval_s": 5.0}, {"rl_s": 20.0, "eval_s": 5.0}])
+    assert evals == [(10.0, 15.0), (25.0, 30.0)]  # the second starts after 20 s of RL and the first's 5 s
+    trainer = [(0.0, 12.0), (16.0, 18.0), (36.0, 40.0)]  # 2 s of the first span fall inside an evaluation
+    assert busy_fraction(trainer, evals, wall_s=40.0) == pytest.approx(16 / 30)
+    assert busy_fraction(trainer, [], wall_s=40.0) == pytest.approx(18 / 40)
+    assert overlap_spans([(0, 3), (5, 9)], [(2, 6), (8, 12)]) == [(2, 3), (5, 6), (8, 9)]

@@ -102,12 +102,43 @@ def fault_report(job: Job) -> dict[str, Any]:
     return report
 
 
+def eval_spans(evals: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """The in-loop evaluations as spans in seconds since the RL loop started (from their ``rl_s`` and ``eval_s``)."""
+    spans, before = [], 0.0
+    for e in evals:
+        start = e["rl_s"] + before
+        spans.append((start, start + e["eval_s"]))
+        before += e["eval_s"]
+    return spans
+
+
+def busy_fraction(spans: list[tuple[float, float]], evals: list[tuple[float, float]], wall_s: float) -> float:
+    """The share of the RL time, evaluations excluded, that disjoint ``spans`` cover (``evals``: the same clock)."""
+    rl_s = wall_s - sum(b - a for a, b in evals)
+    return (sum(b - a for a, b in spans) - overlap_seconds(spans, evals)) / max(rl_s, 1e-9)
+
+
+def overlap_spans(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intersection of two sets of disjoint spans, as disjoint spans."""
+    out, i, j = [], 0, 0
+    a, b = sorted(a), sorted(b)
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
     """The loop's part of ``summary.json``: staleness, utilisation and overlap, faults, what was trained."""
     window = (result.start, result.end)
     engine_spans = job.rollouts.engine_busy.busy_in(*window)
     trainer_spans = job.trainer_busy.busy_in(*window)
-    wall = max(result.wall_s, 1e-9)
+    evals = [(result.start + a, result.start + b) for a, b in eval_spans(result.evals)]
     sm = job.store.metrics()
     return {
         "mode": job.cfg.run.mode,
@@ -125,9 +156,11 @@ def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
         "trained_len_mean": sm["trained_len_mean"],
         "finished_len_mean": sm["finished_len_mean"],
         "gate_closures": sm["gate_closures"],
-        "overlap_fraction": overlap_seconds(engine_spans, trainer_spans) / wall,
-        "engine_busy_fraction": sum(b - a for a, b in engine_spans) / wall,
-        "trainer_busy_fraction": sum(b - a for a, b in trainer_spans) / wall,
+        # fractions of the RL time without the in-loop evaluations (the trainer waits through those by design)
+        "overlap_fraction": busy_fraction(overlap_spans(engine_spans, trainer_spans), evals, result.wall_s),
+        "engine_busy_fraction": busy_fraction(engine_spans, evals, result.wall_s),
+        "trainer_busy_fraction": busy_fraction(trainer_spans, evals, result.wall_s),
+        "eval_s": result.eval_s,
         "weight_sync_s_median": sorted(result.sync_s)[len(result.sync_s) // 2] if result.sync_s else None,
         "trajectories_trained": len(result.trained_ids),
         "trajectories_pending": len(job.store.pending_ids()),
