@@ -45,6 +45,9 @@ SETTINGS = {
     "adaptive": ["store.replay.max_reuse=2", "store.replay.ratio=0.75", "store.replay.schedule=adaptive"],
 }
 SETTINGS["adaptive-tight"] = SETTINGS["adaptive"]  # + replayed groups one version under the job's bound (_overrides)
+#: adaptive with at most fixed's replays per batch, so the dispatch window (planned for the fewest fresh groups a batch
+#: takes, ``B - round(ratio * B)``) is as wide as fixed's
+SETTINGS["adaptive-half"] = ["store.replay.max_reuse=2", "store.replay.ratio=0.5", "store.replay.schedule=adaptive"]
 KEYS = ("success_before_rl", "success_after_rl", "rl_wall_s", "trajectories_trained", "engine_busy_fraction",
         "trainer_busy_fraction", "mean_staleness", "max_staleness_seen", "dropped_stale_groups")  # fmt: skip
 
@@ -166,7 +169,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     workloads = [w for w in ("demo", "agentic", "agentic-shipped") if w in results]
     fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.6 * len(workloads)), squeeze=False)
-    colors = {"none": "tab:gray", "fixed": "tab:blue", "adaptive": "tab:green", "adaptive-tight": "tab:olive"}
+    colors = {"none": "tab:gray", "fixed": "tab:blue", "adaptive": "tab:green", "adaptive-tight": "tab:olive",
+              "adaptive-half": "tab:purple"}  # fmt: skip
     for row, w in zip(axes, workloads, strict=True):
         for name, by_seed in results[w]["runs"].items():
             for i, r in enumerate(by_seed.values()):
