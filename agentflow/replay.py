@@ -8,11 +8,10 @@ log-probs recorded with every token) applies to them unchanged. Groups whose rew
 under group-relative advantages they contribute no policy gradient, so replaying one spends a batch slot on nothing.
 
 How many of a batch are replayed is the :class:`ReplayScheduler`'s choice: ``fixed`` takes ``round(ratio * B)``
-whenever that many are eligible, in batches of ``B``; ``adaptive`` fills the trainer's idle time. It never waits for
-fresh groups that replays can stand in for, trains a backlog of finished fresh groups rather than replaying over it,
-and adds replays on top of a full fresh batch while the measured step time stays under the time generation needs
-for the fresh part (so the engines are not left waiting on the trainer). Either way a batch keeps at least one fresh
-group, so the job always moves on to new data, and the pool replays the groups nearest to their bound first.
+whenever that many are eligible; ``adaptive`` measures the rate at which fresh groups finish and the trainer's cost
+per group, and replays only what generation cannot supply while one batch trains (never more than
+``round(ratio * B)``). Either way a batch keeps at least one fresh group, so the job always moves on to new data, and
+the pool replays the groups nearest their bound first.
 """
 
 from __future__ import annotations
