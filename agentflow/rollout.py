@@ -48,18 +48,24 @@ class BusyTracker:
         return [(max(a, start), min(b, end)) for a, b in spans if min(b, end) > max(a, start)]
 
 
-def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total length of the intersection of two sets of disjoint intervals."""
-    total, i, j = 0.0, 0, 0
+def overlap_spans(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intersection of two sets of disjoint intervals, as disjoint intervals."""
+    out, i, j = [], 0, 0
     a, b = sorted(a), sorted(b)
     while i < len(a) and j < len(b):
         lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
+        if hi > lo:
+            out.append((lo, hi))
         if a[i][1] < b[j][1]:
             i += 1
         else:
             j += 1
-    return total
+    return out
+
+
+def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sets of disjoint intervals."""
+    return sum(hi - lo for lo, hi in overlap_spans(a, b))
 
 
 class EnvPool:

@@ -367,7 +367,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def test_busy_fractions_leave_out_the_in_loop_evaluations():
     """The trainer waits through an evaluation by design: its time counts neither as busy nor as RL time."""
-    from agentflow.recipes.common import busy_fraction, eval_spans, overlap_spans
+    from agentflow.recipes.common import busy_fraction, eval_spans
+    from agentflow.rollout import overlap_spans
 
     evals = eval_spans([{"rl_s": 10.0, "eval_s": 5.0}, {"rl_s": 20.0, "eval_s": 5.0}])
     assert evals == [(10.0, 15.0), (25.0, 30.0)]  # the second starts after 20 s of RL and the first's 5 s

@@ -11,7 +11,7 @@ import envs
 from agentflow.builder import Job, JobError, pin_threads, refuse_unsupported
 from agentflow.config import JobConfig
 from agentflow.controller import LoopResult, engine_counters, over_budget
-from agentflow.rollout import overlap_seconds
+from agentflow.rollout import overlap_seconds, overlap_spans
 from agentflow.types import SupervisedEngine
 
 Log = Callable[[str], None]
@@ -116,21 +116,6 @@ def busy_fraction(spans: list[tuple[float, float]], evals: list[tuple[float, flo
     """The share of the RL time, evaluations excluded, that disjoint ``spans`` cover (``evals``: the same clock)."""
     rl_s = wall_s - sum(b - a for a, b in evals)
     return (sum(b - a for a, b in spans) - overlap_seconds(spans, evals)) / max(rl_s, 1e-9)
-
-
-def overlap_spans(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The intersection of two sets of disjoint spans, as disjoint spans."""
-    out, i, j = [], 0, 0
-    a, b = sorted(a), sorted(b)
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if hi > lo:
-            out.append((lo, hi))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
 
 
 def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
