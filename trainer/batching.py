@@ -123,6 +123,8 @@ class MicroBatch:
     """The rows as one padding-free stream, when the micro-batch was built packed."""
     teachers: list[str] = field(default_factory=list)
     """Each row's ``Sample.teacher`` (the full-vocabulary distillation terms)."""
+    replayed: torch.Tensor | None = None
+    """``[b, s-1]`` 1.0 on the rows of replayed samples (``Sample.replayed``), when a row is one."""
     routes: torch.Tensor | None = None
     """``[b, s, layers, k]`` experts the engine routed each input token to (-1: not recorded), when a row has any."""
 
@@ -214,8 +216,15 @@ def _collate(samples, rows, advantages, masks, old, pad_id) -> MicroBatch:
         vocab_masks=vocab_masks,
         teachers=[samples[i].teacher for i in rows],
         routes=collate_routes([samples[i].routes for i in rows], s),
+        replayed=_replayed_rows([samples[i] for i in rows], s),
         **teacher,
     )
+
+
+def _replayed_rows(samples: list[Sample], s: int) -> torch.Tensor | None:
+    if not any(x.replayed for x in samples):
+        return None
+    return torch.tensor([float(x.replayed) for x in samples])[:, None].expand(len(samples), s - 1).contiguous()
 
 
 def collate_vocab_masks(samples: list[Sample]) -> VocabMasks | None:

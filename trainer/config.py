@@ -111,6 +111,11 @@ class LossFields(_Section):
     schedules still advance), so the first policy updates use values that have seen some returns."""
     whiten_advantages: bool = True
     """``ppo``: normalise the GAE advantages over the batch's model tokens (mean 0, std 1); returns stay raw."""
+    replay_clip: float | None = Field(0.2, gt=0)
+    """Replayed samples (``store.replay``): a token whose current-to-behaviour probability ratio already lies beyond
+    ``1 + replay_clip`` (positive advantage) or below ``1 - replay_clip`` (negative) gets no gradient: PPO's clip
+    measured against the policy that sampled it, so training on the same data again stops pushing once it has moved
+    the policy that far. ``null``: replayed tokens are corrected like stale fresh ones (``off_policy`` only)."""
     m2po_tau: float = Field(0.04, gt=0)
     """``m2po``: the most the kept tokens' mean squared log-ratio (second moment) may be."""
     opsm_delta: float = Field(1e-4, ge=0)

@@ -388,6 +388,17 @@ def off_policy_weights(
     return w, metrics
 
 
+def replay_trust_region(
+    logp: torch.Tensor, behaviour: torch.Tensor, adv: torch.Tensor, replayed: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """Detached 0/1 weights: 0 on replayed tokens whose ratio ``pi / pi_behaviour`` is already past ``1 + clip``
+    with a positive advantage or below ``1 - clip`` with a negative one (PPO's clip against the sampling policy:
+    the surrogate there has no gradient), 1 elsewhere."""
+    ratio = torch.exp((logp.detach() - behaviour) * (replayed > 0))
+    past = ((adv > 0) & (ratio > 1.0 + clip)) | ((adv < 0) & (ratio < 1.0 - clip))
+    return 1.0 - (past & (replayed > 0)).to(logp.dtype)
+
+
 def ppo_token_loss(
     logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,6 +463,8 @@ class LossInputs:
     divergence: torch.Tensor | None = None
     """Per-position divergence between the student's and the teacher's full next-token distributions ``[b, s-1]``
     (the full-vocabulary estimators; differentiable through the student, computed by ``trainer.full_distill``)."""
+    replayed: torch.Tensor | None = None
+    """1.0 on the tokens of replayed samples ``[b, s-1]`` (the replay trust region, ``replay_clip``)."""
 
 
 def topk_reverse_kl(student_top: torch.Tensor, teacher_top: torch.Tensor) -> torch.Tensor:
@@ -554,6 +567,11 @@ def policy_loss(
     """The configured objective for one micro-batch; metrics are sums (divide by the global token count)."""
     mask = x.mask.to(x.logp.dtype)
     w, metrics = off_policy_weights(x.old, x.behaviour, mask, cfg, x.advantages, x.logp)
+    if x.replayed is not None and cfg.replay_clip is not None:
+        keep = replay_trust_region(x.logp, x.behaviour, x.advantages, x.replayed * mask, cfg.replay_clip)
+        metrics["replay_tokens"] = (x.replayed * mask).sum()
+        metrics["replay_clipped"] = ((1 - keep) * mask).sum()
+        w = w * keep
     loss, clip_frac = registry.resolve("loss", cfg.name)(x, cfg, w, mask, denom_tokens, denom_seqs)
     metrics["clip_frac"] = clip_frac
     if cfg.kl_coef > 0 and not cfg.kl_in_reward:  # in the reward instead: trainer.losses.batch_plan

@@ -218,6 +218,9 @@ class MegatronTrainer:
             with self._routes(mb):
                 for k, v in self._micro_step(mb, cfg, denom, seqs, single).items():
                     sums[k] = sums.get(k, 0.0) + v
+        if any(s.replayed for s in samples) and cfg.replay_clip is not None:  # every DP rank sums the same keys
+            for k in ("replay_tokens", "replay_clipped"):
+                sums.setdefault(k, 0.0)
         metrics: dict[str, float] = {}
         if not frozen:
             self._dp_allreduce_grads()
@@ -341,7 +344,7 @@ class MegatronTrainer:
             old = logp.detach() if single else mb.behaviour_logprobs
         x = LossInputs(logp, old, mb.behaviour_logprobs, mb.advantages, mb.target_mask, mb.ref_logprobs, entropy)
         x.teacher, x.teacher_top, x.student_top = mb.teacher_logprobs, mb.teacher_top_logprobs, student_top
-        x.divergence = divergence
+        x.divergence, x.replayed = divergence, mb.replayed
         if x.teacher is None:  # the in-trainer teacher's own log-probs of the tokens (metrics)
             x.teacher = teacher
         value, metrics = policy_loss(x, cfg, denom, seqs)

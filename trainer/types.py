@@ -53,6 +53,8 @@ class Sample:
     routes: list[tuple[int, list[list[int]]]] | None = None
     """Mixture-of-experts models: ``(position, experts per layer)`` for the positions the engine ran, the experts
     its router chose for that input token in each layer (``trainer.routing_replay``)."""
+    replayed: bool = False
+    """Trained before (bounded replay, ``store.replay``): the loss's replay trust region (``replay_clip``) applies."""
     norm_tokens: int = 0
     """If > 0: the model-token count the batch's loss is averaged over, when it exceeds the rows' own (the
     controller counts groups it left out for having zero advantage, so a batch with little signal takes a small
