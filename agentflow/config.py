@@ -326,6 +326,13 @@ class RunConfig(Section):
     """Torch threads per process."""
     progress: bool = True
     """Show a progress bar."""
+    silent_steps_warn: int = Field(10, ge=0)
+    """Warn on stderr when this many consecutive steps had batches in which every episode got the same reward, so
+    the outcome reward trained nothing (after a collapse every episode fails; ``summary.json``'s ``silent_steps``
+    reports the longest such run). 0: no warning. Not for distillation jobs, which learn from their teachers."""
+    stop_after_silent_steps: int = Field(0, ge=0)
+    """Stop the job (as after ``run.steps``: summary, checkpoint and evaluation written) after this many such steps
+    in a row; 0: never."""
 
 
 STALENESS_BY_MODE = {"sync": 0, "one_step": 1}

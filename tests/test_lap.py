@@ -285,6 +285,18 @@ def test_job_stops_at_its_token_budget(tiny_model, tmp_path):
     assert summary["rl_steps"] == len(spent) < 30 and all(n < 150 for n in spent[:-1])  # stopped at the first step over
 
 
+def test_a_job_without_reward_spread_says_so_and_can_stop(tiny_model, tmp_path, capsys):
+    from agentflow.recipes.rl import run_job
+
+    extra = ("run.silent_steps_warn=2", "run.stop_after_silent_steps=3")
+    summary = run_job(_job_cfg(tiny_model, tmp_path, "sync", steps=30, extra=extra), log=lambda *_: None)
+    assert summary["success_before_rl"] == 0.0  # the untrained model fails every episode: no reward spread
+    assert summary["rl_steps"] == 3
+    assert summary["silent_steps"] == {"longest": 3, "ended_at_step": 3, "stopped_job": True}
+    err = capsys.readouterr().err
+    assert err.count("agentflow: warning: steps 1-2: every episode got the same reward") == 1
+
+
 def test_checkpoint_resume_is_exact(tiny_model, tmp_path):
     from trainer.megatron_trainer import MegatronTrainer
     from trainer.types import Sample, TrainerSettings

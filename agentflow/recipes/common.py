@@ -151,6 +151,11 @@ def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
         "trajectories_pending": len(job.store.pending_ids()),
         "rollout_episodes": result.episodes,
         "rollout_errors": result.errors,
+        "silent_steps": {
+            "longest": result.silent_longest[0],
+            "ended_at_step": result.silent_longest[1],
+            "stopped_job": 0 < job.cfg.run.stop_after_silent_steps <= result.silent,
+        },
         "first_rollout_error": result.first_error,
         "evals": result.evals,
         "agent": job.agent.name,
