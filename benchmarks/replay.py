@@ -14,7 +14,7 @@ fractions, replayed share and the staleness of replayed tokens.
 
 Writes ``benchmarks/results/replay.json`` (one section per workload; rerunning one workload keeps the other) and
 ``replay.png``. Results are saved after each run; rerun with the same settings, a benchmark skips the runs it already
-has (``--fresh`` reruns them).
+has (``--fresh`` reruns them, ``--rerun NAME ...`` those of some settings).
 """
 
 from __future__ import annotations
@@ -203,6 +203,8 @@ def main() -> None:
     ap.add_argument("--runs", default="runs", help="where the run directories go")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--fresh", action="store_true", help="rerun runs already in replay.json with the same settings")
+    ap.add_argument("--rerun", nargs="*", default=[], choices=list(SETTINGS),
+                    help="rerun these settings' runs, keeping the others'")  # fmt: skip
     ap.add_argument("--summarize-only", action="store_true", help="recompute the tables and plot from replay.json")
     args = ap.parse_args()
     if args.shipped and args.workload != "agentic":
@@ -216,12 +218,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("replay_quick.json" if args.quick else "replay.json")  # a quick run never overwrites the real one
     results = json.loads(path.read_text()) if path.is_file() and not args.quick else {}
-    skip = ("out", "runs", "seeds", "settings", "fresh", "summarize_only", "shipped")  # shipped: in the section name
+    # not part of a benchmark's identity (shipped: in the section name)
+    skip = ("out", "runs", "seeds", "settings", "fresh", "rerun", "summarize_only", "shipped")
     config = {k: v for k, v in vars(args).items() if k not in skip}
     section: dict[str, Any] = {"runs": {}, "config": config}
     old = results.get(section_of(args.workload, args.shipped), {})
     if not args.fresh and old.get("config") == config:  # the same benchmark: keep its finished runs, skip them
         section["runs"] = {n: {int(k): r for k, r in by.items()} for n, by in old.get("runs", {}).items()}
+        for name in args.rerun:
+            section["runs"].pop(name, None)
     results[section_of(args.workload, args.shipped)] = section
     if args.summarize_only:
         for sec in results.values():
