@@ -18,6 +18,7 @@ from typing import Any
 from agentflow.builder import Job
 from agentflow.config import JobConfig
 from agentflow.engine.pool import EnginePool
+from agentflow.replay import uniform_rewards
 from agentflow.resume import ResumeState
 from agentflow.rollout import first_error, outcomes, per_type_success
 from agentflow.store import TrajectoryStore
@@ -51,7 +52,8 @@ class LoopResult:
     """Of those, the ones that ended ``error`` (not scored, not trained)."""
     first_error: str | None = None
     silent: int = 0
-    """Consecutive steps up to the last one whose batch had no reward spread (:func:`no_reward_spread`)."""
+    """Consecutive steps up to the last one whose batch had no reward spread (every scored episode, the same
+    reward: :func:`agentflow.replay.uniform_rewards`)."""
     silent_longest: tuple[int, int] = (0, 0)
     """The longest such run of steps: (its length, the step it ended at)."""
 
@@ -66,7 +68,7 @@ class LoopResult:
         self.errors += sum(t.status == "error" for t in trajs)
         self.first_error = self.first_error or first_error(trajs)
         self.sync_s.append(sync_s)
-        self.silent = self.silent + 1 if no_reward_spread(batch) else 0
+        self.silent = self.silent + 1 if uniform_rewards(t for g in batch for t in g.trajectories) else 0
         if self.silent > self.silent_longest[0]:
             self.silent_longest = (self.silent, steps)
 
@@ -114,13 +116,6 @@ def over_budget(cfg: JobConfig, generated_tokens: int) -> bool:
     """Whether ``run.max_generated_tokens`` is spent."""
     budget = cfg.run.max_generated_tokens
     return budget is not None and generated_tokens >= budget
-
-
-def no_reward_spread(batch: list[Group]) -> bool:
-    """Whether every scored trajectory of the batch got the same reward (or none was scored): an outcome reward then
-    gives no policy gradient under any advantage estimator (group-relative ones see it group by group already)."""
-    rewards = {t.reward for g in batch for t in g.trajectories if t.status in ("ok", "truncated")}
-    return len(rewards - {None}) <= 1
 
 
 def stalled(job: Job, result: LoopResult) -> bool:
@@ -242,7 +237,7 @@ def to_samples(
     for g in groups:
         scored = [(t, t.reward) for t in g.trajectories if t.status in ("ok", "truncated") and t.reward is not None]
         batch_tokens += sum(sum(s.loss_mask) for t, _ in scored for s in t.segments if s.trained)
-        if drop_uniform and len({r for _, r in scored}) <= 1:
+        if drop_uniform and uniform_rewards(g.trajectories):
             continue
         for t, reward in scored:
             trained = [i for i, seg in enumerate(t.segments) if seg.trained]  # black-box side calls are not

@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from agentflow.types import NO_VERSION, Group
+from agentflow.types import NO_VERSION, Group, Trajectory
 
 Schedule = Literal["fixed", "adaptive"]
 
 
-def uniform_rewards(group: Group) -> bool:
-    """True when the group's scored trajectories all have the same reward (or none is scored)."""
-    rewards = {t.reward for t in group.trajectories if t.status in ("ok", "truncated") and t.reward is not None}
+def uniform_rewards(trajectories: Iterable[Trajectory]) -> bool:
+    """True when the scored ones of ``trajectories`` all have the same reward (or none is scored): under
+    group-relative advantages a group like that has no policy gradient, and a batch like that none under any."""
+    rewards = {t.reward for t in trajectories if t.status in ("ok", "truncated") and t.reward is not None}
     return len(rewards) <= 1
 
 
@@ -62,7 +64,7 @@ class ReplayPool:
         if self.max_reuse <= 0 or replays >= self.max_reuse or group.min_version() == NO_VERSION:
             self.trainings_hist[1 + replays] += 1
             return
-        if self.skip_uniform and uniform_rewards(group):
+        if self.skip_uniform and uniform_rewards(group.trajectories):
             self.skipped_uniform += 1
             self.trainings_hist[1 + replays] += 1
             return

@@ -394,7 +394,7 @@ def replay_trust_region(
     """Detached 0/1 weights: 0 on replayed tokens whose ratio ``pi / pi_behaviour`` is already past ``1 + clip``
     with a positive advantage or below ``1 - clip`` with a negative one (PPO's clip against the sampling policy:
     the surrogate there has no gradient), 1 elsewhere."""
-    ratio = torch.exp((logp.detach() - behaviour) * (replayed > 0))
+    ratio = torch.exp(logp.detach() - behaviour)
     past = ((adv > 0) & (ratio > 1.0 + clip)) | ((adv < 0) & (ratio < 1.0 - clip))
     return 1.0 - (past & (replayed > 0)).to(logp.dtype)
 
