@@ -59,6 +59,36 @@ def test_the_distillation_claims(tmp_path, monkeypatch):
     assert not cr.report({"distill-seed0": _distill_run(tmp_path / "b", 0.62, 0.68)}, tmp_path / "b.json", quick=False)
 
 
+def test_the_quick_check_tries_once_more_after_a_collapse_and_reports_both(tmp_path, monkeypatch):
+    made = []
+
+    def fake_run(name, runs, quick=False, retry=False):  # the two reduced runs, without their 5 minutes of RL
+        made.append((name, quick, retry))
+        after = 0.25 if retry else collapsed_after
+        return _rl_run(runs, f"{name}-retry" if retry else name, 0.21, after)
+
+    monkeypatch.setattr(cr, "run_result", fake_run)
+    collapsed_after = 0.0
+    runs = cr.run_quick(tmp_path / "a")
+    assert made == [("rl-seed0", True, False), ("rl-seed0", True, True)]
+    result = cr.quick_direction(runs)
+    assert result["ok"] and result["tries"] == 2
+    lost = [r for r in result["rows"] if r["claim"] == "RL does not lose more than 0.10"]
+    assert [(r["result"], r["holds"], r["after"]) for r in lost] == [
+        ("rl-seed0", False, 0.0),
+        ("rl-seed0-retry", True, 0.25),
+    ]
+
+    made.clear()
+    collapsed_after = 0.24  # a first try that keeps the direction is the only one
+    assert set(cr.run_quick(tmp_path / "b")) == {"rl-seed0"} and len(made) == 1
+
+    both_lost = {"rl-seed0": _rl_run(tmp_path / "c", "rl-seed0", 0.21, 0.0),
+                 "rl-seed0-retry": _rl_run(tmp_path / "c", "rl-seed0-retry", 0.21, 0.05)}  # fmt: skip
+    assert not cr.quick_direction(both_lost)["ok"]
+    assert cr.QUICK_RETRY == ["run.seed=1"]  # not a trainer seed: that is in the warm-up's cache key
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_quick_check_runs_the_demo_code_path_and_keeps_the_direction(tmp_path, monkeypatch):
