@@ -48,6 +48,8 @@ SETTINGS["adaptive-tight"] = SETTINGS["adaptive"]  # + replayed groups one versi
 #: adaptive with at most fixed's replays per batch, so the dispatch window (planned for the fewest fresh groups a batch
 #: takes, ``B - round(ratio * B)``) is as wide as fixed's
 SETTINGS["adaptive-half"] = ["store.replay.max_reuse=2", "store.replay.ratio=0.5", "store.replay.schedule=adaptive"]
+#: adaptive-half whose groups may be replayed three times (for a bound loose enough to leave them that many versions)
+SETTINGS["adaptive-half-3"] = [*SETTINGS["adaptive-half"][1:], "store.replay.max_reuse=3"]
 KEYS = ("success_before_rl", "success_after_rl", "rl_wall_s", "trajectories_trained", "engine_busy_fraction",
         "trainer_busy_fraction", "mean_staleness", "max_staleness_seen", "dropped_stale_groups")  # fmt: skip
 
@@ -78,7 +80,7 @@ def _overrides(args: argparse.Namespace, setting: str, seed: int, run_dir: Path,
 
 
 def run_dir_of(args: argparse.Namespace, setting: str, seed: int) -> Path:
-    return Path(args.runs) / f"replay-{section_of(args.workload, args.shipped)}-{setting}-s{seed}"
+    return Path(args.runs) / f"replay-{section_of(args.workload, args.shipped, args.tag)}-{setting}-s{seed}"
 
 
 def rl_fractions(summary: dict[str, Any]) -> dict[str, float]:
@@ -167,10 +169,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = [w for w in ("demo", "agentic", "agentic-shipped") if w in results]
+    workloads = list(results)
     fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.6 * len(workloads)), squeeze=False)
     colors = {"none": "tab:gray", "fixed": "tab:blue", "adaptive": "tab:green", "adaptive-tight": "tab:olive",
-              "adaptive-half": "tab:purple"}  # fmt: skip
+              "adaptive-half": "tab:purple", "adaptive-half-3": "tab:red"}  # fmt: skip
     for row, w in zip(axes, workloads, strict=True):
         for name, by_seed in results[w]["runs"].items():
             for i, r in enumerate(by_seed.values()):
@@ -200,6 +202,8 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every setting")
     ap.add_argument("--shipped", action="store_true",
                     help="agentic: the config's own warm-up and RL rates (own section), not AS_MEASURED")  # fmt: skip
+    ap.add_argument("--tag", default=None,
+                    help="a section of its own (WORKLOAD-TAG), e.g. for another staleness bound")  # fmt: skip
     ap.add_argument("--runs", default="runs", help="where the run directories go")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--fresh", action="store_true", help="rerun runs already in replay.json with the same settings")
@@ -219,15 +223,15 @@ def main() -> None:
     path = out / ("replay_quick.json" if args.quick else "replay.json")  # a quick run never overwrites the real one
     results = json.loads(path.read_text()) if path.is_file() and not args.quick else {}
     # not part of a benchmark's identity (shipped: in the section name)
-    skip = ("out", "runs", "seeds", "settings", "fresh", "rerun", "summarize_only", "shipped")
+    skip = ("out", "runs", "seeds", "settings", "fresh", "rerun", "summarize_only", "shipped", "tag")
     config = {k: v for k, v in vars(args).items() if k not in skip}
     section: dict[str, Any] = {"runs": {}, "config": config}
-    old = results.get(section_of(args.workload, args.shipped), {})
+    old = results.get(section_of(args.workload, args.shipped, args.tag), {})
     if not args.fresh and old.get("config") == config:  # the same benchmark: keep its finished runs, skip them
         section["runs"] = {n: {int(k): r for k, r in by.items()} for n, by in old.get("runs", {}).items()}
         for name in args.rerun:
             section["runs"].pop(name, None)
-    results[section_of(args.workload, args.shipped)] = section
+    results[section_of(args.workload, args.shipped, args.tag)] = section
     if args.summarize_only:
         for sec in results.values():
             sec["runs"] = {n: {int(k): r for k, r in by.items()} for n, by in sec["runs"].items()}
