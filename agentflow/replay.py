@@ -163,6 +163,7 @@ class ReplayScheduler:
     _last_size: int = 0
     _last_request: float | None = None
     _accepted_since: int = 0
+    _paused: float = 0.0
 
     @property
     def max_replays(self) -> int:
@@ -172,12 +173,20 @@ class ReplayScheduler:
     def on_accept(self) -> None:
         self._accepted_since += 1
 
+    def on_pause(self, seconds: float) -> None:
+        """Time since the last batch that was no step's cost (an in-loop evaluation, a checkpoint, an engine added):
+        left out of the step time, or the steps after each evaluation would look several times as expensive and the
+        schedule would stop replaying while the trainer in fact waits."""
+        self._paused += max(0.0, seconds)
+
     def on_request(self, now: float) -> None:
         """The trainer asks for a batch: its step time since the last batch, the generation rate since the last ask."""
         if self._last_out is not None:
-            self.step_s.add(now - self._last_out)
+            step = max(0.0, now - self._last_out - self._paused)
+            self.step_s.add(step)
             if self._last_size:
-                self.group_s.add((now - self._last_out) / self._last_size)
+                self.group_s.add(step / self._last_size)
+        self._paused = 0.0
         if self._last_request is not None and now > self._last_request:
             self.rate.add(self._accepted_since / (now - self._last_request))
         self._last_request, self._accepted_since = now, 0

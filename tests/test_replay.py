@@ -135,6 +135,28 @@ def test_adaptive_replays_only_what_generation_cannot_supply():
     assert ReplayScheduler(batch_groups=2, ratio=0.9).max_replays == 1  # a batch keeps one fresh group
 
 
+def test_an_evaluation_between_steps_is_not_counted_as_step_cost():
+    s = ReplayScheduler(batch_groups=8, ratio=0.5, schedule="adaptive")
+    _measured(s, groups_per_s=1.0, step_s=4.0, batch=8)
+    assert s.plan(ready=0, eligible=10) == 4  # 0.5 s per group: generation supplies 4 of 8 during a step
+    s.on_batch_out(10.0, 8)
+    s.on_pause(30.0)  # a 30 s evaluation after the step, while the trainer waits
+    s.on_request(44.0)
+    assert s.step_s.value == pytest.approx(4.0) and s.group_s.value == pytest.approx(0.5)
+    assert s.plan(ready=0, eligible=10) == 4  # still replaying: with the evaluation counted it would be 0
+    s.on_batch_out(50.0, 8)
+    s.on_request(54.0)  # the pause was spent on the step it belonged to
+    assert s.step_s.value == pytest.approx(4.0)
+
+
+def test_the_store_passes_periodic_work_to_the_scheduler():
+    store = TrajectoryStore(batch_groups=4, stale_steps=2, replay=ReplayConfig(max_reuse=1, schedule="adaptive"))
+    assert store.scheduler is not None
+    store.pause_step_clock(2.5)
+    assert store.scheduler._paused == 2.5
+    TrajectoryStore(batch_groups=4, stale_steps=2).pause_step_clock(2.5)  # no replay: nothing to tell
+
+
 @pytest.mark.parametrize("collect", ["fifo", "first_finished"])
 @pytest.mark.parametrize("schedule", ["fixed", "adaptive"])
 def test_random_runs_keep_every_invariant(collect, schedule):
