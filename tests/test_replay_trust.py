@@ -50,6 +50,17 @@ def test_replayed_tokens_past_the_clip_in_their_advantages_direction_get_no_grad
     assert m["replay_clipped"].item() == 1
 
 
+def test_the_clip_can_cover_fresh_stale_tokens_too():
+    _, replay_m, replay_grad = _loss(torch.ones(2, 2))
+    _, m, grad = _loss(None, replay_clip_fresh=True)  # no replayed row: every token is under the clip
+    assert grad.flatten().tolist() == pytest.approx(replay_grad.flatten().tolist())
+    assert m["replay_tokens"].item() == 4 and m["replay_clipped"].item() == 2
+    _, m, grad = _loss(torch.tensor([[1.0, 1.0], [0.0, 0.0]]), replay_clip_fresh=True)  # fresh rows as replayed
+    assert grad.flatten().tolist() == pytest.approx(replay_grad.flatten().tolist())
+    _, m, _ = _loss(None, replay_clip_fresh=True, replay_clip=None)  # null turns it off for both
+    assert "replay_clipped" not in m
+
+
 def test_trust_region_weights_by_hand():
     logp = torch.log(torch.tensor([[1.25, 1.1, 0.7, 0.9]]))
     adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
@@ -104,3 +115,7 @@ def test_a_real_trainer_step_reports_the_replay_trust_region(tmp_path):
     m = trainer.train_step(samples)
     # rows 0 and 1 are replays; row 0 has a negative advantage, so its 4 tokens are past the clip
     assert m["replay_tokens"] == pytest.approx(0.5) and m["replay_clipped"] == pytest.approx(0.25)
+    # the clip on fresh tokens too: all 16 tokens covered, rows 0 and 2 (negative advantages) past it
+    fresh_too = TrainerSettings(lr=1e-3, threads=1, loss=LossSettings(replay_clip_fresh=True))
+    m = MegatronTrainer(model, fresh_too).train_step(samples)
+    assert m["replay_tokens"] == pytest.approx(1.0) and m["replay_clipped"] == pytest.approx(0.5)

@@ -116,6 +116,10 @@ class LossFields(_Section):
     ``1 + replay_clip`` (positive advantage) or below ``1 - replay_clip`` (negative) gets no gradient: PPO's clip
     measured against the policy that sampled it, so training on the same data again stops pushing once it has moved
     the policy that far. ``null``: replayed tokens are corrected like stale fresh ones (``off_policy`` only)."""
+    replay_clip_fresh: bool = False
+    """Apply ``replay_clip`` to fresh tokens as well: a stale one (sampled some versions ago) stops getting gradient
+    the same way, an on-policy one has a ratio of ~1 and is not touched. For loose staleness bounds, where fresh
+    tokens are as far behind as replayed ones. ``train/replay_tokens`` then counts every token it covered."""
     m2po_tau: float = Field(0.04, gt=0)
     """``m2po``: the most the kept tokens' mean squared log-ratio (second moment) may be."""
     opsm_delta: float = Field(1e-4, ge=0)

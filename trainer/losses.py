@@ -567,9 +567,10 @@ def policy_loss(
     """The configured objective for one micro-batch; metrics are sums (divide by the global token count)."""
     mask = x.mask.to(x.logp.dtype)
     w, metrics = off_policy_weights(x.old, x.behaviour, mask, cfg, x.advantages, x.logp)
-    if x.replayed is not None and cfg.replay_clip is not None:
-        keep = replay_trust_region(x.logp, x.behaviour, x.advantages, x.replayed * mask, cfg.replay_clip)
-        metrics["replay_tokens"] = (x.replayed * mask).sum()
+    if cfg.replay_clip is not None and (x.replayed is not None or cfg.replay_clip_fresh):
+        scope = mask if cfg.replay_clip_fresh or x.replayed is None else x.replayed * mask
+        keep = replay_trust_region(x.logp, x.behaviour, x.advantages, scope, cfg.replay_clip)
+        metrics["replay_tokens"] = scope.sum()
         metrics["replay_clipped"] = ((1 - keep) * mask).sum()
         w = w * keep
     loss, clip_frac = registry.resolve("loss", cfg.name)(x, cfg, w, mask, denom_tokens, denom_seqs)

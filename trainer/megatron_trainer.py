@@ -218,7 +218,8 @@ class MegatronTrainer:
             with self._routes(mb):
                 for k, v in self._micro_step(mb, cfg, denom, seqs, single).items():
                     sums[k] = sums.get(k, 0.0) + v
-        if any(s.replayed for s in samples) and cfg.replay_clip is not None:  # every DP rank sums the same keys
+        clipped = cfg.replay_clip_fresh or any(s.replayed for s in samples)
+        if clipped and cfg.replay_clip is not None:  # every DP rank sums the same keys
             for k in ("replay_tokens", "replay_clipped"):
                 sums.setdefault(k, 0.0)
         metrics: dict[str, float] = {}
