@@ -179,8 +179,7 @@ def _clone_and_run(names: list[str], quick: bool) -> dict[str, Path]:
     cmd = [".venv/bin/python", "-m", "agentflow.demos.check_results", "run", *names, "--no-compare"]
     subprocess.run(cmd + (["--quick"] if quick else []), cwd=clone, check=True)
     out = {}
-    tries = [*names, *(f"{n}-retry" for n in names)] if quick else names
-    for name in (n for n in tries if (clone / RUNS / n).is_dir()):
+    for name in (n for n in _with_retries(names, quick) if (clone / RUNS / n).is_dir()):
         dest = RUNS / name
         shutil.copytree(clone / RUNS / name, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.pt"))
         out[name] = dest
@@ -222,6 +221,11 @@ def _direction(f: dict[str, float]) -> list[dict[str, Any]]:
     return [{**r, **f} for r in rows]
 
 
+def _with_retries(names: list[str], quick: bool) -> list[str]:
+    """The run directories a run of ``names`` may have left: a quick run's second try as well."""
+    return [*names, *(f"{n}-retry" for n in names)] if quick else names
+
+
 def run_quick(runs: Path) -> dict[str, Path]:
     """The quick check's runs: the reduced demo run, and a second try (:data:`QUICK_RETRY`) if it lost the
     direction."""
@@ -252,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.mode == "run":
         runs = run_quick(args.runs) if args.quick else {n: run_result(n, args.runs) for n in names}
     else:
-        tries = [*names, *(f"{n}-retry" for n in names)] if args.quick else names
-        runs = {n: args.runs / n for n in tries if (args.runs / n).is_dir()}
+        runs = {n: args.runs / n for n in _with_retries(names, args.quick) if (args.runs / n).is_dir()}
     if args.no_compare:
         return 0
     return 0 if report(runs, args.out, args.quick) else 1
