@@ -127,6 +127,8 @@ def refuse_unsupported(cfg: JobConfig, recipe: str, resume: bool = False) -> Non
         raise JobError("--resume: a distillation job cannot be resumed (its seq-KD phase is not checkpointed)")
     if cfg.eval.every_steps and cfg.eval.every_steps > cfg.run.steps:
         raise JobError(f"eval.every_steps={cfg.eval.every_steps} is more than run.steps={cfg.run.steps}")
+    if cfg.run.cpus is not None or cfg.run.trainer_cpus is not None:
+        check_cores(cfg)
     if cfg.sft.enabled:
         refuse_warm_up_without_expert(cfg)
 
@@ -153,6 +155,44 @@ def pin_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def place_on_cores(cfg: JobConfig, stack: AsyncExitStack) -> list[int] | None:
+    """``run.cpus``: pin every thread of this process (threads and programs started later inherit it) until the
+    job's stack closes, when each gets back the cores the process had. Returns the trainer's cores: its own
+    ``run.trainer_cpus``, else the cores the job started with (a trainer started from a pinned process would
+    otherwise inherit the job's cores); None when nothing is pinned."""
+    run = cfg.run
+    if run.cpus is None and run.trainer_cpus is None:
+        return None
+    have = check_cores(cfg)
+    if run.cpus is not None:
+        _pin_threads_to(run.cpus)
+        stack.callback(_pin_threads_to, have)
+    return run.trainer_cpus or have
+
+
+def check_cores(cfg: JobConfig) -> list[int]:
+    """The cores this process may use; JobError naming the key when ``run.cpus`` or ``run.trainer_cpus`` lists
+    others (checked before the warm-up, and again when the job starts)."""
+    if not hasattr(os, "sched_getaffinity"):
+        raise JobError("run.cpus / run.trainer_cpus: pinning to cores needs Linux (os.sched_setaffinity)")
+    have = sorted(os.sched_getaffinity(0))
+    for key in ("cpus", "trainer_cpus"):
+        cores = getattr(cfg.run, key)
+        if missing := sorted(set(cores or ()) - set(have)):
+            raise JobError(f"run.{key}={cores}: cores {missing} are not available to this job (it may use {have})")
+    return have
+
+
+def _pin_threads_to(cores: list[int]) -> None:
+    # sched_setaffinity(0) moves only the calling thread: the engine's decode thread and the executor's workers may
+    # already run
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
 def write_processes(job: Job) -> None:
     """Process ids of the job's parts (operators and crash tests signal them by pid)."""
     parts = {"trainer": job.trainer, "engines": job.engine, "env_workers": job.pool}
@@ -170,7 +210,7 @@ async def _trainer_engine_pool(
     from agentflow.engine.factory import make_engine
     from trainer.launcher import make_trainer_group
 
-    settings = trainer_settings(cfg)
+    settings = trainer_settings(cfg, cpus=place_on_cores(cfg, stack))
     trainer: TrainerGroup
     engine: InferenceEngine
     pool: EnvProvider

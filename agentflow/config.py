@@ -324,6 +324,13 @@ class RunConfig(Section):
     """Save a checkpoint every N steps (0: only at the end)."""
     threads: int = Field(1, ge=1)
     """Torch threads per process."""
+    cpus: list[int] | None = None
+    """CPU cores the job's own process runs on during RL (Linux): the controller, its embedded engines, agents, env
+    workers and the programs they start. Unset: every core it may use. With ``trainer_cpus`` on other cores, replay
+    or a long training step cannot take CPU from generation. Not under Ray (place actors by labels there)."""
+    trainer_cpus: list[int] | None = None
+    """CPU cores the RL trainer's processes run on (Linux); unset: the cores the job started with. The warm-up's
+    trainer is not pinned (it runs alone). Not under Ray."""
     progress: bool = True
     """Show a progress bar."""
     silent_steps_warn: int = Field(10, ge=0)
@@ -333,6 +340,13 @@ class RunConfig(Section):
     stop_after_silent_steps: int = Field(0, ge=0)
     """Stop the job (as after ``run.steps``: summary, checkpoint and evaluation written) after this many such steps
     in a row; 0: never."""
+
+    @field_validator("cpus", "trainer_cpus")
+    @classmethod
+    def _cores(cls, cores: list[int] | None) -> list[int] | None:
+        if cores is not None and (not cores or min(cores) < 0 or len(set(cores)) != len(cores)):
+            raise ValueError(f"{cores}: a list of distinct core numbers (0, 1, ...), at least one")
+        return cores
 
 
 STALENESS_BY_MODE = {"sync": 0, "one_step": 1}
@@ -359,6 +373,13 @@ class JobConfig(Section):
     transfer: dict[str, Any] = Field(default_factory=lambda: {"type": "inprocess"})
     """TransferMesh weight transport, tagged by ``type`` (inprocess | gloo | http | cuda_ipc); see
     transfer_mesh/transport.py."""
+
+    @model_validator(mode="after")
+    def _cores_are_local(self) -> JobConfig:
+        pinned = [k for k in ("cpus", "trainer_cpus") if getattr(self.run, k) is not None]
+        if pinned and self.ray.enabled:
+            raise ValueError(f"run.{pinned[0]} pins local processes; under Ray (ray.enabled) labels place the actors")
+        return self
 
     @model_validator(mode="after")
     def _elastic_engines(self) -> JobConfig:

@@ -85,6 +85,8 @@ def _serve(
         os.environ.update(rank_env)
         _watch_parent(os.getppid())
     os.environ["OMP_NUM_THREADS"] = str(settings.threads)
+    if settings.cpus is not None:  # before torch starts its threads, which inherit it
+        os.sched_setaffinity(0, settings.cpus)
     # megatron-core warns at import about optional CUDA-only extras (Apex, TransformerEngine) we do not use on CPU
     warnings.filterwarnings("ignore", module=r"megatron(\..*)?$")
     try:
