@@ -165,8 +165,8 @@ def place_on_cores(cfg: JobConfig, stack: AsyncExitStack) -> list[int] | None:
         return None
     have = check_cores(cfg)
     if run.cpus is not None:
-        _pin_threads_to(run.cpus)
-        stack.callback(_pin_threads_to, have)
+        _move_threads_to(run.cpus)
+        stack.callback(_move_threads_to, have)
     return run.trainer_cpus or have
 
 
@@ -183,7 +183,7 @@ def check_cores(cfg: JobConfig) -> list[int]:
     return have
 
 
-def _pin_threads_to(cores: list[int]) -> None:
+def _move_threads_to(cores: list[int]) -> None:
     # sched_setaffinity(0) moves only the calling thread: the engine's decode thread and the executor's workers may
     # already run
     for tid in os.listdir("/proc/self/task"):

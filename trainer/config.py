@@ -232,8 +232,8 @@ class TrainerSettings(OptimFields):
     threads: int = Field(1, ge=1)
     """Torch threads of each trainer process (the job's ``run.threads``, or an imitation phase's own)."""
     cpus: list[int] | None = None
-    """CPU cores each trainer process is pinned to (Linux; the job's ``run.trainer_cpus``); None: the cores it
-    inherits."""
+    """CPU cores each trainer process is pinned to (Linux; the job passes ``run.trainer_cpus``, or its own starting
+    cores when only ``run.cpus`` is set); None: the cores it inherits."""
     teachers: dict[str, str] = Field(default_factory=dict)
     """Teachers the trainer evaluates itself for the full-vocabulary distillation estimators: name -> Hugging Face
     model directory (the job passes ``teachers.models``' paths). Loaded frozen next to the student."""

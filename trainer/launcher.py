@@ -80,13 +80,13 @@ def _serve(
     ``rank_env`` (parallel groups): torchrun-style variables of this rank; the process then starts its own session
     and watches its parent.
     """
+    if settings.cpus is not None:  # first: every thread started later (torch's included) inherits it
+        os.sched_setaffinity(0, settings.cpus)
     if rank_env is not None:
         os.setsid()
         os.environ.update(rank_env)
         _watch_parent(os.getppid())
     os.environ["OMP_NUM_THREADS"] = str(settings.threads)
-    if settings.cpus is not None:  # before torch starts its threads, which inherit it
-        os.sched_setaffinity(0, settings.cpus)
     # megatron-core warns at import about optional CUDA-only extras (Apex, TransformerEngine) we do not use on CPU
     warnings.filterwarnings("ignore", module=r"megatron(\..*)?$")
     try:
