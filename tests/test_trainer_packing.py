@@ -19,6 +19,7 @@ from trainer.types import LossSettings, Sample, TrainerSettings
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:megatron", "ignore::DeprecationWarning:megatron")
 
 TOL = 1e-6
+LR = 1e-5
 # GQA (4 query heads, 2 KV groups) and a vocabulary of 1024 (32 mask words)
 TINY = ModelInitConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=176, num_attention_heads=4)
 LENGTHS = (31, 6, 12, 2, 19, 9, 27, 12, 4)  # very different lengths (padded rows are mostly padding); two alike
@@ -72,15 +73,13 @@ def _samples(lengths: tuple[int, ...] = LENGTHS) -> list[Sample]:
 
 
 def _trainer(model_dir, packing: bool, budget: int = 10_000, **loss):
-    """lr 1e-5: Adam's first step is ``lr * g / (|g| + 1e-8)``, which turns fp32 noise in a gradient near 1e-8
+    """lr ``LR``: Adam's first step is ``lr * g / (|g| + 1e-8)``, which turns fp32 noise in a gradient near 1e-8
     (a sum of cancelling terms, smaller still after clipping) into a good part of ``lr``: at 1e-4 one weight whose
     clipped gradient was 3.3e-9 in one run and 3.5e-9 in the other moved 1.2e-6 apart, though no gradient differed by
     more than 3e-8. The gradients themselves are compared too."""
     from trainer.megatron_trainer import MegatronTrainer
 
-    settings = TrainerSettings(
-        lr=1e-5, threads=1, micro_batch_tokens=budget, packing=packing, loss=LossSettings(**loss)
-    )
+    settings = TrainerSettings(lr=LR, threads=1, micro_batch_tokens=budget, packing=packing, loss=LossSettings(**loss))
     return MegatronTrainer(model_dir, settings)
 
 
@@ -197,8 +196,11 @@ def test_packed_step_equals_padded_step(tiny_dir, loss):
     for k in ma:
         if k not in ("micro_batches", "train_s"):
             assert mb[k] == pytest.approx(ma[k], rel=TOL, abs=TOL), k
+    # Adam's first step moves each weight by up to lr: a step applied twice, not at all or to other rows is ~lr off
+    # nearly everywhere, while fp32 noise in a gradient near Adam's eps moves a few weights by a fraction of lr (0.15
+    # lr measured on a CPU without AVX-512)
     for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
-        assert _max_diff(p, q) <= TOL, n
+        assert _max_diff(p, q) <= LR / 2, n
     assert ma["grad_norm"] > 0
 
 
