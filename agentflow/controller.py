@@ -56,6 +56,8 @@ class LoopResult:
     reward: :func:`agentflow.replay.uniform_rewards`)."""
     silent_longest: tuple[int, int] = (0, 0)
     """The longest such run of steps: (its length, the step it ended at)."""
+    batch_wait_s: float = 0.0
+    """Seconds the trainer waited for its batches: RL time in which it had nothing to train."""
 
     def record(self, steps: int, batch: list[Group], sync_s: float, replayed: Collection[str] = ()) -> None:
         self.steps = steps
@@ -87,9 +89,13 @@ async def rl_loop(job: Job, resume: ResumeState | None = None, evaluate: Evaluat
         job.rollouts.feed(store, cfg.rollout.group_size, rollout_sampling(cfg), job.mixture,
                           resume.next_group_index if resume else 0)
     )  # fmt: skip
+    job.rollouts.limit.held.restart()
     try:
         for step in job.metrics.progress(range(result.steps, cfg.run.steps), desc=f"RL ({cfg.run.mode})"):
+            waited = time.monotonic()
             batch = await _next_batch(store, feeder, close_gate=cfg.run.mode == "sync")  # B groups in the window
+            waited = time.monotonic() - waited
+            result.batch_wait_s += waited
             samples = await score_batch(job, batch)
             job.trainer_busy.enter()
             metrics = await asyncio.to_thread(job.trainer.train_step, samples, cfg.trainer.loss)  # rollouts go on
@@ -101,7 +107,8 @@ async def rl_loop(job: Job, resume: ResumeState | None = None, evaluate: Evaluat
             result.record(step + 1, batch, report["total_s"], store.last_replayed)
             extra = await _every_steps(job, result, evaluate)
             job.metrics.step(result.steps, train=metrics, rollout=batch_metrics(batch), store=store.metrics(),
-                             sync=report, engine=engine_counters(job.engine), **extra)  # fmt: skip
+                             sync=report, engine=engine_counters(job.engine), loop={"batch_wait_s": waited},
+                             **extra)  # fmt: skip
             if over_budget(cfg, store.generated_tokens) or stalled(job, result):
                 break
     finally:
@@ -157,7 +164,11 @@ async def _every_steps(job: Job, result: LoopResult, evaluate: Evaluate | None) 
         await save_checkpoint(job, result)
     if evaluate is not None and cfg.eval.every_steps and result.steps % cfg.eval.every_steps == 0:
         t0 = time.monotonic()
-        extra["eval"] = await evaluate()
+        job.rollouts.limit.held.count(False)  # evaluation episodes take slots the RL loop's would have had
+        try:
+            extra["eval"] = await evaluate()
+        finally:
+            job.rollouts.limit.held.count(True)
         eval_s = time.monotonic() - t0
         # what it took to get here: RL wall time without the evaluations, trajectories trained and generated
         rl_s = t0 - result.start - result.eval_s

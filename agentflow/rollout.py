@@ -68,6 +68,42 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
     return sum(hi - lo for lo, hi in overlap_spans(a, b))
 
 
+class LevelTracker:
+    """The time-weighted mean of a count (episodes holding a concurrency slot) over the time it is counting."""
+
+    def __init__(self) -> None:
+        self.level = 0
+        self.counting = True
+        self._since = time.monotonic()
+        self._area = 0.0
+        self._seconds = 0.0
+
+    def _advance(self) -> None:
+        now = time.monotonic()
+        if self.counting:
+            self._area += self.level * (now - self._since)
+            self._seconds += now - self._since
+        self._since = now
+
+    def add(self, delta: int) -> None:
+        self._advance()
+        self.level += delta
+
+    def restart(self) -> None:
+        """Forget the mean so far (the RL loop starts: the warm-up's and first evaluation's episodes don't count)."""
+        self._advance()
+        self._area = self._seconds = 0.0
+
+    def count(self, on: bool) -> None:
+        """Stop (an in-loop evaluation) or resume counting time."""
+        self._advance()
+        self.counting = on
+
+    def mean(self) -> float:
+        self._advance()
+        return self._area / self._seconds if self._seconds > 0 else 0.0
+
+
 class EnvPool:
     """Env instances made on demand per (env id, kwargs) and reused across episodes."""
 
@@ -149,6 +185,8 @@ class EpisodeSlots:
 
     def __init__(self, n: int) -> None:
         self._sem = asyncio.Semaphore(n)
+        self.size = n
+        self.held = LevelTracker()  # episodes holding a slot: how full rollouts kept the engines
         self.waiting = 0
         self._drained = asyncio.Event()
         self._drained.set()
@@ -162,9 +200,16 @@ class EpisodeSlots:
             self.waiting -= 1
             if not self.waiting:
                 self._drained.set()
+        self.held.add(1)
 
     async def __aexit__(self, *exc: object) -> None:
+        self.held.add(-1)
         self._sem.release()
+
+    def occupancy(self) -> float:
+        """The mean share of the slots that episodes held while counting: below 1 while the engines could have run
+        more episodes than were started (the store's window held dispatch back, or too few groups were wanted)."""
+        return self.held.mean() / max(self.size, 1)
 
     async def drained(self) -> None:
         """Return once no episode waits for a slot."""

@@ -51,7 +51,8 @@ SETTINGS["adaptive-half"] = ["store.replay.max_reuse=2", "store.replay.ratio=0.5
 #: adaptive-half whose groups may be replayed three times (for a bound loose enough to leave them that many versions)
 SETTINGS["adaptive-half-3"] = [*SETTINGS["adaptive-half"][1:], "store.replay.max_reuse=3"]
 KEYS = ("success_before_rl", "success_after_rl", "rl_wall_s", "trajectories_trained", "engine_busy_fraction",
-        "trainer_busy_fraction", "mean_staleness", "max_staleness_seen", "dropped_stale_groups")  # fmt: skip
+        "trainer_busy_fraction", "trainer_wait_fraction", "rollout_slot_occupancy", "mean_staleness",
+        "max_staleness_seen", "dropped_stale_groups")  # fmt: skip
 
 
 def _overrides(args: argparse.Namespace, setting: str, seed: int, run_dir: Path, model: Path | None) -> list[str]:

@@ -254,6 +254,8 @@ def test_job_staleness_bound_and_outputs(tiny_model, tmp_path, mode):
     else:
         assert set(hist) == {0} and summary["stale_steps"] == 0
         assert summary["gate_closures"] == summary["rl_steps"]
+        assert summary["trainer_wait_fraction"] > 0  # sync: every batch is generated while the trainer waits
+    assert 0 <= summary["trainer_wait_fraction"] < 1 and 0 < summary["rollout_slot_occupancy"] <= 1
     for key in (
         "scripted_policy_success",
         "success_before_rl",
@@ -267,6 +269,8 @@ def test_job_staleness_bound_and_outputs(tiny_model, tmp_path, mode):
     assert json.loads((run_dir / "summary.json").read_text())["rl_steps"] == 4
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4 and "train/is_approx_k3_kl" in json.loads(lines[0])
+    waits = [json.loads(line)["loop/batch_wait_s"] for line in lines]
+    assert min(waits) >= 0 and sum(waits) <= summary["rl_wall_s"]
     assert list((run_dir / "tensorboard").iterdir())
     assert (run_dir / "config.yaml").is_file() and list((run_dir / "checkpoints").iterdir())
     journal = Journal.read(run_dir / "journal.jsonl")
@@ -388,3 +392,33 @@ def test_busy_fractions_leave_out_the_in_loop_evaluations():
     assert busy_fraction(trainer, evals, wall_s=40.0) == pytest.approx(16 / 30)
     assert busy_fraction(trainer, [], wall_s=40.0) == pytest.approx(18 / 40)
     assert overlap_spans([(0, 3), (5, 9)], [(2, 6), (8, 12)]) == [(2, 3), (5, 6), (8, 9)]
+
+
+def test_slot_occupancy_is_time_weighted_and_leaves_out_what_is_not_counted(monkeypatch):
+    """Episodes holding slots, weighted by how long they held them; time before ``restart`` or while not counting
+    (an in-loop evaluation) is left out."""
+    from agentflow import rollout
+    from agentflow.rollout import EpisodeSlots
+
+    now = [0.0]
+    monkeypatch.setattr(rollout.time, "monotonic", lambda: now[0])
+
+    async def scenario() -> float:
+        slots = EpisodeSlots(4)
+        await slots.__aenter__()  # 1 held from t=0 (before the restart: not counted)
+        now[0] = 5.0
+        slots.held.restart()
+        await slots.__aenter__()  # 2 held from t=5
+        now[0] = 7.0
+        slots.held.count(False)  # t=7..17 not counted, whatever is held
+        for _ in range(2):
+            await slots.__aenter__()
+        now[0] = 17.0
+        slots.held.count(True)
+        for _ in range(3):
+            await slots.__aexit__()  # 1 held from t=17
+        now[0] = 21.0
+        return slots.occupancy()
+
+    # counted: 2 slots for 2 s, 1 slot for 4 s -> 8 slot-seconds over 6 s, of 4 slots
+    assert asyncio.run(scenario()) == pytest.approx(8 / 6 / 4)

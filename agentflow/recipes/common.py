@@ -145,6 +145,10 @@ def loop_summary(job: Job, result: LoopResult) -> dict[str, Any]:
         "overlap_fraction": busy_fraction(overlap_spans(engine_spans, trainer_spans), evals, result.wall_s),
         "engine_busy_fraction": busy_fraction(engine_spans, evals, result.wall_s),
         "trainer_busy_fraction": busy_fraction(trainer_spans, evals, result.wall_s),
+        # the trainer waiting for data (replay can fill this time) vs engines held short of their slots (the
+        # trainer is the bottleneck: replay would only lengthen its steps)
+        "trainer_wait_fraction": result.batch_wait_s / max(result.wall_s - result.eval_s, 1e-9),
+        "rollout_slot_occupancy": job.rollouts.limit.occupancy(),
         "eval_s": result.eval_s,
         "weight_sync_s_median": sorted(result.sync_s)[len(result.sync_s) // 2] if result.sync_s else None,
         "trajectories_trained": len(result.trained_ids),
