@@ -158,17 +158,21 @@ async def score_batch(job: Job, batch: list[Group]) -> list[Sample]:
 async def _every_steps(job: Job, result: LoopResult, evaluate: Evaluate | None) -> dict[str, Any]:
     """Periodic work after a step: engine pool changes (``engine.elastic``), checkpoints (``run.checkpoint_every``),
     evaluations (``eval.every_steps``)."""
-    cfg, extra, start = job.cfg, {}, time.monotonic()
+    cfg, extra, start, eval_s = job.cfg, {}, time.monotonic(), 0.0
     await resize_engines(job, result.steps)
     if cfg.run.checkpoint_every and result.steps % cfg.run.checkpoint_every == 0:
         await save_checkpoint(job, result)
     if evaluate is not None and cfg.eval.every_steps and result.steps % cfg.eval.every_steps == 0:
         t0 = time.monotonic()
         job.rollouts.limit.held.count(False)  # evaluation episodes take slots the RL loop's would have had
+        if cfg.eval.pause_rollouts:
+            await job.store.set_gate(False)
         try:
             extra["eval"] = await evaluate()
         finally:
             job.rollouts.limit.held.count(True)
+            if cfg.eval.pause_rollouts:
+                await job.store.set_gate(True)
         eval_s = time.monotonic() - t0
         # what it took to get here: RL wall time without the evaluations, trajectories trained and generated
         rl_s = t0 - result.start - result.eval_s
@@ -177,7 +181,8 @@ async def _every_steps(job: Job, result: LoopResult, evaluate: Evaluate | None) 
                              "trained_trajectories": len(result.trained_ids),
                              "generated_trajectories": job.store.accepted,
                              "generated_tokens": job.store.generated_tokens})  # fmt: skip
-    job.store.pause_step_clock(time.monotonic() - start)  # the replay schedule's step cost leaves this out
+    # the replay schedule's step cost leaves this out, and its generation rate the evaluation, if rollouts paused
+    job.store.pause_step_clock(time.monotonic() - start, generation=eval_s if cfg.eval.pause_rollouts else 0.0)
     return extra
 
 

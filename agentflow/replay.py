@@ -164,6 +164,7 @@ class ReplayScheduler:
     _last_request: float | None = None
     _accepted_since: int = 0
     _paused: float = 0.0
+    _gen_paused: float = 0.0
 
     @property
     def max_replays(self) -> int:
@@ -173,11 +174,13 @@ class ReplayScheduler:
     def on_accept(self) -> None:
         self._accepted_since += 1
 
-    def on_pause(self, seconds: float) -> None:
+    def on_pause(self, seconds: float, generation: float = 0.0) -> None:
         """Time since the last batch that was no step's cost (an in-loop evaluation, a checkpoint, an engine added):
         left out of the step time, or the steps after each evaluation would look several times as expensive and the
-        schedule would stop replaying while the trainer in fact waits."""
+        schedule would stop replaying while the trainer in fact waits. ``generation``: the part of it in which no
+        new group could start (``eval.pause_rollouts``), left out of the generation rate for the same reason."""
         self._paused += max(0.0, seconds)
+        self._gen_paused += max(0.0, generation)
 
     def on_request(self, now: float) -> None:
         """The trainer asks for a batch: its step time since the last batch, the generation rate since the last ask."""
@@ -187,8 +190,9 @@ class ReplayScheduler:
             if self._last_size:
                 self.group_s.add(step / self._last_size)
         self._paused = 0.0
-        if self._last_request is not None and now > self._last_request:
-            self.rate.add(self._accepted_since / (now - self._last_request))
+        if self._last_request is not None and now - self._last_request > self._gen_paused:
+            self.rate.add(self._accepted_since / (now - self._last_request - self._gen_paused))
+        self._gen_paused = 0.0
         self._last_request, self._accepted_since = now, 0
 
     def on_batch_out(self, now: float, size: int = 0) -> None:

@@ -251,11 +251,11 @@ class TrajectoryStore:
         k = min(self.batch_groups - self.scheduler.fresh_plan, len(self.pool.eligible(self.trainer_version)))
         return self.batch_groups - k
 
-    def pause_step_clock(self, seconds: float) -> None:
-        """``seconds`` since the last batch were periodic work, not this step's cost (see
-        :meth:`ReplayScheduler.on_pause`)."""
+    def pause_step_clock(self, seconds: float, generation: float = 0.0) -> None:
+        """``seconds`` since the last batch were periodic work, not this step's cost, and in ``generation`` of them
+        no new group could start (see :meth:`ReplayScheduler.on_pause`)."""
         if self.scheduler is not None:
-            self.scheduler.on_pause(seconds)
+            self.scheduler.on_pause(seconds, generation)
 
     async def set_gate(self, open_: bool) -> None:
         """Close to stop new dispatch (sync mode closes it while training and syncing weights)."""

@@ -422,3 +422,33 @@ def test_slot_occupancy_is_time_weighted_and_leaves_out_what_is_not_counted(monk
 
     # counted: 2 slots for 2 s, 1 slot for 4 s -> 8 slot-seconds over 6 s, of 4 slots
     assert asyncio.run(scenario()) == pytest.approx(8 / 6 / 4)
+
+
+@pytest.mark.parametrize("pause", [True, False])
+def test_in_loop_evaluations_pause_new_rl_groups_when_asked(tiny_model, tmp_path, pause):
+    """``eval.pause_rollouts``: no RL group starts while an in-loop evaluation runs (the groups it finds live are
+    the ones it leaves); without it rollouts go on beside the evaluation."""
+    from agentflow.builder import build_job
+    from agentflow.controller import rl_loop
+
+    extra = ("eval.every_steps=1", f"eval.pause_rollouts={str(pause).lower()}", "store.stale_steps=8")
+    cfg = _job_cfg(tiny_model, tmp_path, "async", steps=2, extra=extra)
+    live: list[tuple[int, int]] = []
+
+    async def scenario() -> None:
+        async with build_job(cfg, tiny_model, tmp_path / "run") as job:
+
+            async def evaluate() -> dict[str, float]:
+                before = job.store.occupancy()  # no batch is taken meanwhile: only a dispatch changes it
+                await asyncio.sleep(3.0)
+                live.append((before, job.store.occupancy()))
+                return {"success": 0.0}
+
+            await rl_loop(job, evaluate=evaluate)
+
+    asyncio.run(scenario())
+    assert len(live) == 2
+    if pause:
+        assert all(after == before for before, after in live)
+    else:
+        assert any(after > before for before, after in live)

@@ -149,11 +149,29 @@ def test_an_evaluation_between_steps_is_not_counted_as_step_cost():
     assert s.step_s.value == pytest.approx(4.0)
 
 
+def test_a_pause_of_rollouts_is_left_out_of_the_generation_rate():
+    """``eval.pause_rollouts``: no group could start during the evaluation, so its seconds are not generation's."""
+    s = ReplayScheduler(batch_groups=8, ratio=0.5, schedule="adaptive")
+    _measured(s, groups_per_s=1.0, step_s=4.0, batch=8)
+    s.on_batch_out(4.0, 8)
+    for _ in range(4):
+        s.on_accept()
+    s.on_pause(30.0, generation=30.0)  # 4 groups in 4 s of steps + 30 s of an evaluation that paused rollouts
+    s.on_request(38.0)
+    assert s.rate.value == pytest.approx(1.0)  # not 4 / 34
+    s.on_batch_out(38.0, 8)
+    for _ in range(4):
+        s.on_accept()
+    s.on_pause(30.0)  # rollouts went on beside this one: its time is generation's
+    s.on_request(72.0)
+    assert s.rate.value == pytest.approx(0.3 * 4 / 34 + 0.7 * 1.0)
+
+
 def test_the_store_passes_periodic_work_to_the_scheduler():
     store = TrajectoryStore(batch_groups=4, stale_steps=2, replay=ReplayConfig(max_reuse=1, schedule="adaptive"))
     assert store.scheduler is not None
-    store.pause_step_clock(2.5)
-    assert store.scheduler._paused == 2.5
+    store.pause_step_clock(2.5, generation=2.0)
+    assert store.scheduler._paused == 2.5 and store.scheduler._gen_paused == 2.0
     TrajectoryStore(batch_groups=4, stale_steps=2).pause_step_clock(2.5)  # no replay: nothing to tell
 
 
