@@ -112,6 +112,7 @@ async def rl_loop(job: Job, resume: ResumeState | None = None, evaluate: Evaluat
             if over_budget(cfg, store.generated_tokens) or stalled(job, result):
                 break
     finally:
+        job.rollouts.limit.held.count(False)  # the evaluation after RL is not the loop's
         feeder.cancel()
         await asyncio.gather(feeder, return_exceptions=True)
     result.end = time.monotonic()

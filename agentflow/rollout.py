@@ -90,9 +90,10 @@ class LevelTracker:
         self.level += delta
 
     def restart(self) -> None:
-        """Forget the mean so far (the RL loop starts: the warm-up's and first evaluation's episodes don't count)."""
+        """Forget the mean so far and count from now (the RL loop starts: the evaluation before it does not count)."""
         self._advance()
         self._area = self._seconds = 0.0
+        self.counting = True
 
     def count(self, on: bool) -> None:
         """Stop (an in-loop evaluation) or resume counting time."""

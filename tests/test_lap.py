@@ -445,6 +445,7 @@ def test_in_loop_evaluations_pause_new_rl_groups_when_asked(tiny_model, tmp_path
                 return {"success": 0.0}
 
             await rl_loop(job, evaluate=evaluate)
+            assert not job.rollouts.limit.held.counting  # the evaluation after RL is left out of the occupancy
 
     asyncio.run(scenario())
     assert len(live) == 2
