@@ -275,5 +275,6 @@ def test_plan_command_names_what_is_missing(tmp_path: Path, capsys: pytest.Captu
 def test_effective_cores_of_two_spinners_are_at_most_two() -> None:
     from agentflow.planner import measure_effective_cores
 
-    cores = measure_effective_cores(workers=2, seconds=0.5, repeats=1)
+    # the median of three pairs: one 0.5 s window alone can be slowed by whatever else the machine runs (2.38 seen)
+    cores = measure_effective_cores(workers=2, seconds=0.5, repeats=3)
     assert 0.5 < cores <= 2 * 1.15  # two spinners do at most twice one's work (timing noise aside)
