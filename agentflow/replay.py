@@ -134,6 +134,14 @@ class _Ema:
         self.value = x if self.value is None else self.alpha * x + (1 - self.alpha) * self.value
 
 
+MIN_SLOT_SHARE = 0.5
+"""The smallest share of slots held that the adaptive rate is scaled by: at most doubled per measurement, so a window
+held full by the trainer is escaped in a few steps without a single idle interval swinging the schedule to no replay."""
+
+WAIT_S = 0.05
+"""A trainer wait for its batch longer than this (and than 5% of the step) counts as waiting for generation."""
+
+
 @dataclass
 class ReplayScheduler:
     """How many of the next batch's groups are replayed, how many are fresh, and the fresh groups dispatch plans for.
@@ -145,6 +153,14 @@ class ReplayScheduler:
     asking for the next: score, train, weight sync): the batch takes ``f = min(B, max(ceil(g * c * B), B - r))``
     fresh groups, what generation supplies while one batch trains (no replay where it keeps up), and replays the
     other ``B - f``. Before the first measurement it replays like ``fixed``.
+
+    ``g`` is generation's rate with the rollout slots full. While the dispatch window is full, slots stand idle and
+    the rate at which groups finish is the rate at which the trainer takes them, whatever the engines could do: any
+    replay share would then measure as just right. So when the trainer did not wait for its last batch, the rate
+    measured since is divided by the mean share of the slots held meanwhile (at least ``MIN_SLOT_SHARE``): the
+    schedule takes more fresh groups, the window widens, and either the slots fill (the share returns to 1 and the
+    rate is generation's own) or replay stops. After a wait (a straggler the trainer had to train) the rate is taken
+    as measured, since slots idle behind a straggler say nothing of what generation would supply.
 
     Dispatch plans for ``B - round(ratio * B)`` fresh groups per batch under both schedules: no batch takes fewer, so
     the window's deadlines hold whatever the scheduler decides later.
@@ -159,12 +175,16 @@ class ReplayScheduler:
     """Seconds per group trained, from the last steps."""
     last: dict[str, float] = field(default_factory=dict)
     """The last decision (logged with every step's store metrics)."""
+    last_share: float | None = None
+    """Mean share of the rollout slots held between the last two requests."""
     _last_out: float | None = None
     _last_size: int = 0
     _last_request: float | None = None
     _accepted_since: int = 0
     _paused: float = 0.0
     _gen_paused: float = 0.0
+    _usage: tuple[float, float] | None = None
+    _waited: bool = True  # until a batch has come out, nothing says the trainer is fed
 
     @property
     def max_replays(self) -> int:
@@ -182,20 +202,38 @@ class ReplayScheduler:
         self._paused += max(0.0, seconds)
         self._gen_paused += max(0.0, generation)
 
-    def on_request(self, now: float) -> None:
-        """The trainer asks for a batch: its step time since the last batch, the generation rate since the last ask."""
+    def on_request(self, now: float, usage: tuple[float, float] | None = None) -> None:
+        """The trainer asks for a batch: its step time since the last batch, the generation rate since the last ask.
+        ``usage``: the rollout slots' (share held x seconds, seconds) so far (:class:`agentflow.store.SlotUsage`)."""
         if self._last_out is not None:
             step = max(0.0, now - self._last_out - self._paused)
             self.step_s.add(step)
             if self._last_size:
                 self.group_s.add(step / self._last_size)
         self._paused = 0.0
+        share = self._slot_share(usage)
         if self._last_request is not None and now - self._last_request > self._gen_paused:
-            self.rate.add(self._accepted_since / (now - self._last_request - self._gen_paused))
+            rate = self._accepted_since / (now - self._last_request - self._gen_paused)
+            if share is not None and not self._waited:
+                rate /= max(share, MIN_SLOT_SHARE)
+            self.rate.add(rate)
         self._gen_paused = 0.0
         self._last_request, self._accepted_since = now, 0
+        if share is not None:
+            self.last_share = share
+
+    def _slot_share(self, usage: tuple[float, float] | None) -> float | None:
+        """Mean share of the slots held since the last request (None: unknown, or counting restarted)."""
+        before, self._usage = self._usage, usage
+        if usage is None or before is None:
+            return None
+        held, seconds = usage[0] - before[0], usage[1] - before[1]
+        return min(1.0, held / seconds) if seconds > 0 and held >= 0 else None
 
     def on_batch_out(self, now: float, size: int = 0) -> None:
+        if self._last_request is not None:
+            wait = now - self._last_request
+            self._waited = wait > WAIT_S and wait > 0.05 * (self.step_s.value or 0.0)
         self._last_out, self._last_size = now, size
 
     def plan(self, ready: int, eligible: int | None = None) -> int:
@@ -224,4 +262,6 @@ class ReplayScheduler:
             out["replay_step_s"] = self.step_s.value
         if self.group_s.value is not None:
             out["replay_group_s"] = self.group_s.value
+        if self.last_share is not None:
+            out["replay_slot_share"] = self.last_share
         return out

@@ -68,18 +68,26 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
     return sum(hi - lo for lo, hi in overlap_spans(a, b))
 
 
+def _loop_time() -> float:
+    """The running event loop's clock (a simulation's virtual one), else the monotonic clock it equals."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
+
+
 class LevelTracker:
     """The time-weighted mean of a count (episodes holding a concurrency slot) over the time it is counting."""
 
     def __init__(self) -> None:
         self.level = 0
         self.counting = True
-        self._since = time.monotonic()
+        self._since = _loop_time()
         self._area = 0.0
         self._seconds = 0.0
 
     def _advance(self) -> None:
-        now = time.monotonic()
+        now = _loop_time()
         if self.counting:
             self._area += self.level * (now - self._since)
             self._seconds += now - self._since
@@ -103,6 +111,11 @@ class LevelTracker:
     def mean(self) -> float:
         self._advance()
         return self._area / self._seconds if self._seconds > 0 else 0.0
+
+    def totals(self) -> tuple[float, float]:
+        """(count x seconds, seconds) counted so far: the mean over any span is the ratio of two readings' deltas."""
+        self._advance()
+        return self._area, self._seconds
 
 
 class EnvPool:
@@ -211,6 +224,11 @@ class EpisodeSlots:
         """The mean share of the slots that episodes held while counting: below 1 while the engines could have run
         more episodes than were started (the store's window held dispatch back, or too few groups were wanted)."""
         return self.held.mean() / max(self.size, 1)
+
+    def usage(self) -> tuple[float, float]:
+        """(slot-seconds held / slots, seconds counted) so far (:class:`agentflow.store.SlotUsage`)."""
+        area, seconds = self.held.totals()
+        return area / max(self.size, 1), seconds
 
     async def drained(self) -> None:
         """Return once no episode waits for a slot."""
@@ -342,6 +360,7 @@ class Rollouts:
         """
         tasks: set[asyncio.Task] = set()
         index = first
+        store.watch_slots(self.limit)  # how full the slots are tells the replay schedule what the window holds back
         try:
             while True:
                 gid = f"g{index}"

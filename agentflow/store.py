@@ -212,6 +212,7 @@ class TrajectoryStore:
             self.scheduler = ReplayScheduler(batch_groups, replay.ratio, replay.schedule)
         self.last_replayed: set[str] = set()
         """Group ids of the last batch that were replays (trained before)."""
+        self._slots: SlotUsage | None = None
 
     @property
     def strategy(self) -> str:
@@ -250,6 +251,11 @@ class TrajectoryStore:
             return self.batch_groups
         k = min(self.batch_groups - self.scheduler.fresh_plan, len(self.pool.eligible(self.trainer_version)))
         return self.batch_groups - k
+
+    def watch_slots(self, slots: SlotUsage) -> None:
+        """The concurrency slots that this store's groups are played in: the adaptive replay schedule reads how full
+        they were between batches (see :meth:`ReplayScheduler.on_request`)."""
+        self._slots = slots
 
     def pause_step_clock(self, seconds: float, generation: float = 0.0) -> None:
         """``seconds`` since the last batch were periodic work, not this step's cost, and in ``generation`` of them
@@ -365,7 +371,8 @@ class TrajectoryStore:
     def _plan_replays(self) -> int:
         if self.scheduler is None:
             return 0
-        self.scheduler.on_request(asyncio.get_running_loop().time())
+        usage = self._slots.usage() if self._slots is not None else None
+        self.scheduler.on_request(asyncio.get_running_loop().time(), usage)
         eligible = len(self.pool.eligible(self.trainer_version)) if self.pool is not None else 0
         return self.scheduler.plan(ready=self._takeable(), eligible=eligible)
 
@@ -507,6 +514,14 @@ class TrajectoryStore:
 
     def histogram(self) -> dict[str, int]:
         return {str(k): v for k, v in sorted(self.staleness_hist.items())}
+
+
+class SlotUsage(Protocol):
+    """The rollout concurrency slots, as the store reads them."""
+
+    def usage(self) -> tuple[float, float]:
+        """(mean share of the slots held x seconds, seconds) counted so far; both only grow until counting restarts."""
+        ...
 
 
 class ReplaySpec(Protocol):

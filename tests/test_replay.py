@@ -135,6 +135,66 @@ def test_adaptive_replays_only_what_generation_cannot_supply():
     assert ReplayScheduler(batch_groups=2, ratio=0.9).max_replays == 1  # a batch keeps one fresh group
 
 
+class _WindowBound:
+    """A job whose window is full: each 4 s step frees the window for the 4 fresh groups its batch took, so 4 finish
+    per step whatever the engines could do; the slots are ``share`` full meanwhile."""
+
+    def __init__(self, s: ReplayScheduler) -> None:
+        self.s, self.t, self.held = s, 0.0, 0.0
+        s.on_request(0.0, (0.0, 0.0))
+
+    def step(self, share: float, wait: float = 0.0, slots: bool = True) -> int:
+        """One batch out ``wait`` s after the request, trained in 4 s; the replays wanted for the next."""
+        self.s.on_batch_out(self.t + wait, 8)
+        for _ in range(4):
+            self.s.on_accept()
+        self.t += wait + 4.0
+        self.held += share * (wait + 4.0)
+        self.s.on_request(self.t, (self.held, self.t) if slots else None)
+        return self.s.plan(ready=6, eligible=10)
+
+
+def test_a_window_held_full_by_the_trainer_does_not_hide_generation_from_the_adaptive_schedule():
+    """Groups finish as fast as the trainer takes them, exactly the 4 fresh groups of each batch: taken as
+    generation's rate that keeps any share. Idle slots say generation could do more, so the schedule takes more
+    fresh groups, step by step, until the slots fill or replay stops."""
+    blind = _WindowBound(ReplayScheduler(batch_groups=8, ratio=0.5, schedule="adaptive"))
+    assert [blind.step(share=0.25, slots=False) for _ in range(4)] == [4] * 4  # slots unknown: the fixed point
+    full = _WindowBound(ReplayScheduler(batch_groups=8, ratio=0.5, schedule="adaptive"))
+    assert [full.step(share=1.0) for _ in range(4)] == [4] * 4  # slots full: the rate is generation's own
+    job = _WindowBound(ReplayScheduler(batch_groups=8, ratio=0.5, schedule="adaptive"))
+    job.step(share=1.0)
+    wanted = [job.step(share=0.25) for _ in range(6)]
+    assert wanted[0] == 2 and wanted[-1] == 0 and wanted == sorted(wanted, reverse=True)  # rate at most 2x a step
+    assert job.s.last_share == pytest.approx(0.25) and job.s.metrics()["replay_slot_share"] == pytest.approx(0.25)
+    straggler = _WindowBound(ReplayScheduler(batch_groups=8, ratio=0.5, schedule="adaptive"))
+    straggler.step(share=1.0)
+    # the trainer waited 3 s for each batch: slots idle behind a group it had to train say nothing of generation
+    assert [straggler.step(share=0.25, wait=3.0) for _ in range(3)] == [4] * 3
+    assert straggler.s.rate.value is not None and straggler.s.rate.value < 1.0
+
+
+def test_the_store_reads_the_slots_it_is_fed_from():
+    class Slots:
+        def __init__(self) -> None:
+            self.held, self.seconds = 0.0, 0.0
+
+        def usage(self) -> tuple[float, float]:
+            return self.held, self.seconds
+
+    async def go() -> None:
+        store = TrajectoryStore(batch_groups=2, stale_steps=2, replay=ReplayConfig(max_reuse=1, schedule="adaptive"))
+        slots = Slots()
+        store.watch_slots(slots)
+        assert store.scheduler is not None
+        store._plan_replays()
+        slots.held, slots.seconds = 3.0, 10.0
+        store._plan_replays()
+        assert store.scheduler.last_share == pytest.approx(0.3)
+
+    asyncio.run(go())
+
+
 def test_an_evaluation_between_steps_is_not_counted_as_step_cost():
     s = ReplayScheduler(batch_groups=8, ratio=0.5, schedule="adaptive")
     _measured(s, groups_per_s=1.0, step_s=4.0, batch=8)
