@@ -268,7 +268,8 @@ class EvalConfig(Section):
     every_steps: int = Field(0, ge=0)
     """Evaluate every N RL steps (0: only before and after RL)."""
     pause_rollouts: bool = False
-    """While an in-loop evaluation (``every_steps``) runs, start no new RL group; episodes already running finish.
+    """While an in-loop evaluation (``every_steps``) runs, start no RL episode (of a new group or of one dispatched
+    already and waiting for a ``rollout.max_concurrency`` slot); episodes already running finish.
     Off: RL rollouts go on beside the evaluation and the trainer finds their groups waiting after it (more data per
     second of the job). On: the evaluation has the engines to itself, and the RL time around it measures RL alone,
     which comparisons of RL speed need (otherwise generation gets the evaluation's time for free)."""

@@ -166,13 +166,15 @@ async def _every_steps(job: Job, result: LoopResult, evaluate: Evaluate | None) 
     if evaluate is not None and cfg.eval.every_steps and result.steps % cfg.eval.every_steps == 0:
         t0 = time.monotonic()
         job.rollouts.limit.held.count(False)  # evaluation episodes take slots the RL loop's would have had
-        if cfg.eval.pause_rollouts:
+        if cfg.eval.pause_rollouts:  # no new group, and no episode of a dispatched one, starts until it ends
             await job.store.set_gate(False)
+            job.rollouts.limit.hold(True)
         try:
             extra["eval"] = await evaluate()
         finally:
             job.rollouts.limit.held.count(True)
             if cfg.eval.pause_rollouts:
+                job.rollouts.limit.hold(False)
                 await job.store.set_gate(True)
         eval_s = time.monotonic() - t0
         # what it took to get here: RL wall time without the evaluations, trajectories trained and generated

@@ -204,12 +204,19 @@ class EpisodeSlots:
         self.waiting = 0
         self._drained = asyncio.Event()
         self._drained.set()
+        self._open = asyncio.Event()
+        self._open.set()
 
     async def __aenter__(self) -> None:
         self.waiting += 1
         self._drained.clear()
         try:
-            await self._sem.acquire()
+            while True:
+                await self._open.wait()
+                await self._sem.acquire()
+                if self._open.is_set():
+                    break
+                self._sem.release()  # the hold began while it waited: no slot is taken until it ends
         finally:
             self.waiting -= 1
             if not self.waiting:
@@ -219,6 +226,14 @@ class EpisodeSlots:
     async def __aexit__(self, *exc: object) -> None:
         self.held.add(-1)
         self._sem.release()
+
+    def hold(self, on: bool) -> None:
+        """Stop (``on``) or let go the episodes waiting for a slot; episodes holding one run on. An evaluation that
+        pauses RL rollouts holds them, or the groups already dispatched would go on generating beside it."""
+        if on:
+            self._open.clear()
+        else:
+            self._open.set()
 
     def occupancy(self) -> float:
         """The mean share of the slots that episodes held while counting: below 1 while the engines could have run

@@ -427,11 +427,12 @@ def test_slot_occupancy_is_time_weighted_and_leaves_out_what_is_not_counted(monk
 @pytest.mark.parametrize("pause", [True, False])
 def test_in_loop_evaluations_pause_new_rl_groups_when_asked(tiny_model, tmp_path, pause):
     """``eval.pause_rollouts``: no RL group starts while an in-loop evaluation runs (the groups it finds live are
-    the ones it leaves); without it rollouts go on beside the evaluation."""
+    the ones it leaves), and no episode of one dispatched before it; without it rollouts go on beside it."""
     from agentflow.builder import build_job
     from agentflow.controller import rl_loop
 
-    extra = ("eval.every_steps=1", f"eval.pause_rollouts={str(pause).lower()}", "store.stale_steps=8")
+    extra = ("eval.every_steps=1", f"eval.pause_rollouts={str(pause).lower()}", "store.stale_steps=8",
+             "rollout.max_concurrency=4")  # fmt: skip
     cfg = _job_cfg(tiny_model, tmp_path, "async", steps=2, extra=extra)
     live: list[tuple[int, int]] = []
 
@@ -440,16 +441,23 @@ def test_in_loop_evaluations_pause_new_rl_groups_when_asked(tiny_model, tmp_path
 
             async def evaluate() -> dict[str, float]:
                 before = job.store.occupancy()  # no batch is taken meanwhile: only a dispatch changes it
-                await asyncio.sleep(3.0)
+                waiting = fewest = job.rollouts.limit.waiting  # episodes of dispatched groups waiting for a slot
+                for _ in range(300):  # 3 s
+                    await asyncio.sleep(0.01)
+                    fewest = min(fewest, job.rollouts.limit.waiting)
                 live.append((before, job.store.occupancy()))
+                queue.append((waiting, fewest))
                 return {"success": 0.0}
 
             await rl_loop(job, evaluate=evaluate)
             assert not job.rollouts.limit.held.counting  # the evaluation after RL is left out of the occupancy
 
+    queue: list[tuple[int, int]] = []
     asyncio.run(scenario())
     assert len(live) == 2
     if pause:
         assert all(after == before for before, after in live)
+        assert all(waiting > 0 for waiting, _ in queue)
+        assert all(fewest == waiting for waiting, fewest in queue)  # none of the waiting episodes started
     else:
         assert any(after > before for before, after in live)

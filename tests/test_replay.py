@@ -108,6 +108,32 @@ def test_episode_slots_report_when_no_episode_waits():
     asyncio.run(go())
 
 
+def test_held_slots_start_no_episode_until_let_go():
+    """An evaluation that pauses RL rollouts holds the slots: an episode already waiting for one does not take the
+    one that frees, and takes it once the hold ends; the episode holding a slot is not disturbed."""
+    from agentflow.rollout import EpisodeSlots
+
+    async def go():
+        slots = EpisodeSlots(1)
+        await slots.__aenter__()
+        waiter = asyncio.create_task(slots.__aenter__())
+        await asyncio.sleep(0.01)
+        slots.hold(True)
+        await slots.__aexit__(None, None, None)  # the slot frees during the hold
+        late = asyncio.create_task(slots.__aenter__())  # and a new episode arrives
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and not late.done() and slots.held.level == 0 and slots.waiting == 2
+        slots.hold(False)
+        done, _ = await asyncio.wait({waiter, late}, timeout=1, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1 and slots.held.level == 1  # one slot: one of them runs
+        await slots.__aexit__(None, None, None)
+        await asyncio.wait_for(asyncio.gather(waiter, late), 1)
+        await slots.__aexit__(None, None, None)
+        assert slots.held.level == 0
+
+    asyncio.run(go())
+
+
 def _measured(s: ReplayScheduler, groups_per_s: float, step_s: float, batch: int) -> None:
     """Feed ``s`` one measurement: fresh groups finishing at ``groups_per_s``, a step of ``step_s`` over ``batch``."""
     s.on_request(0.0)
