@@ -7,11 +7,12 @@ paused episode (a tool running in its sandbox) holds no engine slot. Env instanc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -208,28 +209,46 @@ class EpisodeSlots:
         self._open.set()
 
     async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+    async def acquire(self, holdable: bool = False) -> None:
+        """Take a slot. ``holdable``: an RL rollout's episode, which waits out a :meth:`hold`."""
         self.waiting += 1
         self._drained.clear()
         try:
             while True:
-                await self._open.wait()
+                if holdable:
+                    await self._open.wait()
                 await self._sem.acquire()
-                if self._open.is_set():
+                if not holdable or self._open.is_set():
                     break
-                self._sem.release()  # the hold began while it waited: no slot is taken until it ends
+                self._sem.release()  # the hold began while it waited: the slot goes to an episode not held
         finally:
             self.waiting -= 1
             if not self.waiting:
                 self._drained.set()
         self.held.add(1)
 
-    async def __aexit__(self, *exc: object) -> None:
+    def release(self) -> None:
         self.held.add(-1)
         self._sem.release()
 
+    @contextlib.asynccontextmanager
+    async def slot(self, holdable: bool = False) -> AsyncIterator[None]:
+        """One slot for the block (see :meth:`acquire`)."""
+        await self.acquire(holdable)
+        try:
+            yield
+        finally:
+            self.release()
+
     def hold(self, on: bool) -> None:
-        """Stop (``on``) or let go the episodes waiting for a slot; episodes holding one run on. An evaluation that
-        pauses RL rollouts holds them, or the groups already dispatched would go on generating beside it."""
+        """Stop (``on``) or let go the holdable episodes waiting for a slot, so that the slots that free go to the
+        others (an in-loop evaluation's); episodes holding a slot run on. An evaluation that pauses RL rollouts holds
+        them, or the groups dispatched before it would go on generating beside it."""
         if on:
             self._open.clear()
         else:
@@ -282,9 +301,11 @@ class Rollouts:
         self.branches = 0
         """Branches played (``rollout.tree``)."""
 
-    async def episode(self, spec: EpisodeSpec, sampling: SamplingParams) -> Trajectory:
+    async def episode(self, spec: EpisodeSpec, sampling: SamplingParams, rl: bool = False) -> Trajectory:
+        """One episode, retried where an engine or env worker died under it. ``rl``: of an RL group (it waits out an
+        evaluation that pauses RL rollouts, see :meth:`EpisodeSlots.hold`)."""
         for attempt in range(self.retries + 1):
-            traj, lost = await self._episode_once(spec, sampling)
+            traj, lost = await self._episode_once(spec, sampling, rl)
             if lost is None:
                 return traj
             if attempt == self.retries:  # still failing: it stays an error trajectory, never a reward of 0
@@ -297,9 +318,11 @@ class Rollouts:
             await asyncio.sleep(min(2.0**attempt, 8.0))
         raise AssertionError("unreachable")
 
-    async def _episode_once(self, spec: EpisodeSpec, sampling: SamplingParams) -> tuple[Trajectory, str | None]:
+    async def _episode_once(
+        self, spec: EpisodeSpec, sampling: SamplingParams, rl: bool
+    ) -> tuple[Trajectory, str | None]:
         """One try; the second value names the part that died under it (``engine``, ``env_worker``) or is None."""
-        async with self.limit:
+        async with self.limit.slot(holdable=rl):
             env = self.pool.acquire(spec.env_id, spec.env_kwargs)
             timed = TimedEnv(env, self.timeouts)
             self.engine_busy.enter()
@@ -336,7 +359,7 @@ class Rollouts:
             for i in range(n)
         ]
         version = self.engine.weight_version
-        trajs = list(await asyncio.gather(*(self.episode(s, sampling) for s in specs)))
+        trajs = list(await asyncio.gather(*(self.episode(s, sampling, rl=True) for s in specs)))
         if self.tree is not None and self.tree.branches:
             points = branch_points(trajs, self.tree, draw.task_seed)
             trajs += await asyncio.gather(
@@ -347,7 +370,7 @@ class Rollouts:
 
     async def branch(self, spec: EpisodeSpec, root: Trajectory, at_turn: int, sampling: SamplingParams) -> Trajectory:
         """One branch of ``root`` from its turn ``at_turn`` (white-box loop; an env of the pool)."""
-        async with self.limit:
+        async with self.limit.slot(holdable=True):
             env = self.pool.acquire(spec.env_id, spec.env_kwargs)
             timed = TimedEnv(env, self.timeouts)
             self.engine_busy.enter()

@@ -279,7 +279,7 @@ class SimRollouts:
         engine = self.engines[key % len(self.engines)]  # a trajectory sticks to one engine
         versions: list[int] = []
         turns = ep.turn_tokens or [(0, 0, ep.model_tokens / ep.turns)] * ep.turns
-        async with self.limit:
+        async with self.limit.slot(holdable=True):
             kv_version: int | None = None  # the oldest weight version in this episode's cached context
             for context, new, generated in turns:
                 if kv_version is None or not self.kv.reuses(kv_version, engine.version):

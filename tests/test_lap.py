@@ -430,6 +430,7 @@ def test_in_loop_evaluations_pause_new_rl_groups_when_asked(tiny_model, tmp_path
     the ones it leaves), and no episode of one dispatched before it; without it rollouts go on beside it."""
     from agentflow.builder import build_job
     from agentflow.controller import rl_loop
+    from agentflow.recipes.evaluate import evaluate_sources
 
     extra = ("eval.every_steps=1", f"eval.pause_rollouts={str(pause).lower()}", "store.stale_steps=8",
              "rollout.max_concurrency=4")  # fmt: skip
@@ -442,9 +443,12 @@ def test_in_loop_evaluations_pause_new_rl_groups_when_asked(tiny_model, tmp_path
             async def evaluate() -> dict[str, float]:
                 before = job.store.occupancy()  # no batch is taken meanwhile: only a dispatch changes it
                 waiting = fewest = job.rollouts.limit.waiting  # episodes of dispatched groups waiting for a slot
+                # the evaluation's own episodes share the slots and are not held (else this would never return)
+                held_out = asyncio.create_task(evaluate_sources(job.rollouts, job.cfg))
                 for _ in range(300):  # 3 s
                     await asyncio.sleep(0.01)
                     fewest = min(fewest, job.rollouts.limit.waiting)
+                await asyncio.wait_for(held_out, 60)
                 live.append((before, job.store.occupancy()))
                 queue.append((waiting, fewest))
                 return {"success": 0.0}

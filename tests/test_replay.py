@@ -108,27 +108,32 @@ def test_episode_slots_report_when_no_episode_waits():
     asyncio.run(go())
 
 
-def test_held_slots_start_no_episode_until_let_go():
-    """An evaluation that pauses RL rollouts holds the slots: an episode already waiting for one does not take the
-    one that frees, and takes it once the hold ends; the episode holding a slot is not disturbed."""
+def test_held_slots_start_no_rl_episode_until_let_go():
+    """An evaluation that pauses RL rollouts holds the slots: an RL episode already waiting for one does not take the
+    one that frees, an evaluation episode does, and the RL episodes go on once the hold ends."""
     from agentflow.rollout import EpisodeSlots
 
     async def go():
         slots = EpisodeSlots(1)
-        await slots.__aenter__()
-        waiter = asyncio.create_task(slots.__aenter__())
+        await slots.acquire(holdable=True)
+        waiter = asyncio.create_task(slots.acquire(holdable=True))
         await asyncio.sleep(0.01)
         slots.hold(True)
-        await slots.__aexit__(None, None, None)  # the slot frees during the hold
-        late = asyncio.create_task(slots.__aenter__())  # and a new episode arrives
+        evaluation = asyncio.create_task(slots.acquire())
+        slots.release()  # the slot frees during the hold
+        late = asyncio.create_task(slots.acquire(holdable=True))  # and a new RL episode arrives
+        await asyncio.wait_for(evaluation, 1)  # the evaluation's episode gets it
         await asyncio.sleep(0.05)
-        assert not waiter.done() and not late.done() and slots.held.level == 0 and slots.waiting == 2
+        assert not waiter.done() and not late.done() and slots.held.level == 1 and slots.waiting == 2
+        slots.release()
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and not late.done() and slots.held.level == 0  # still held, though a slot is free
         slots.hold(False)
         done, _ = await asyncio.wait({waiter, late}, timeout=1, return_when=asyncio.FIRST_COMPLETED)
         assert len(done) == 1 and slots.held.level == 1  # one slot: one of them runs
-        await slots.__aexit__(None, None, None)
+        slots.release()
         await asyncio.wait_for(asyncio.gather(waiter, late), 1)
-        await slots.__aexit__(None, None, None)
+        slots.release()
         assert slots.held.level == 0
 
     asyncio.run(go())
