@@ -432,8 +432,9 @@ def test_in_loop_evaluations_pause_new_rl_groups_when_asked(tiny_model, tmp_path
     from agentflow.controller import rl_loop
     from agentflow.recipes.evaluate import evaluate_sources
 
+    # one slot: episodes of dispatched groups still wait when an evaluation starts, however slow the trainer step
     extra = ("eval.every_steps=1", f"eval.pause_rollouts={str(pause).lower()}", "store.stale_steps=8",
-             "rollout.max_concurrency=4")  # fmt: skip
+             "rollout.max_concurrency=1")  # fmt: skip
     cfg = _job_cfg(tiny_model, tmp_path, "async", steps=2, extra=extra)
     live: list[tuple[int, int]] = []
 
