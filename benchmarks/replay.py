@@ -50,6 +50,8 @@ SETTINGS["adaptive-tight"] = SETTINGS["adaptive"]  # + replayed groups one versi
 SETTINGS["adaptive-half"] = ["store.replay.max_reuse=2", "store.replay.ratio=0.5", "store.replay.schedule=adaptive"]
 #: adaptive-half whose groups may be replayed three times (for a bound loose enough to leave them that many versions)
 SETTINGS["adaptive-half-3"] = [*SETTINGS["adaptive-half"][1:], "store.replay.max_reuse=3"]
+#: fixed with adaptive-half-3's pool: three of six groups replayed whenever the pool has them, whatever generation does
+SETTINGS["fixed-half-3"] = ["store.replay.max_reuse=3", "store.replay.ratio=0.5", "store.replay.schedule=fixed"]
 KEYS = ("success_before_rl", "success_after_rl", "rl_wall_s", "trajectories_trained", "engine_busy_fraction",
         "trainer_busy_fraction", "trainer_wait_fraction", "rollout_slot_occupancy", "mean_staleness",
         "max_staleness_seen", "dropped_stale_groups")  # fmt: skip
@@ -104,6 +106,33 @@ def run_one(args: argparse.Namespace, setting: str, seed: int, model: Path | Non
     out["generated_trajectories"] = s["evals"][-1]["generated_trajectories"] if s["evals"] else None
     out["evals"] = [{k: e[k] for k in ("step", "success", "rl_s", "generated_trajectories")} for e in s["evals"]]
     out["replay"] = s.get("replay")
+    out["onsets"] = task_onsets(run_dir / "metrics.jsonl")
+    return out
+
+
+ONSET_SUCCESS, ONSET_WINDOW = 0.5, 5
+
+
+def task_onsets(metrics: Path) -> dict[str, dict[str, float]]:
+    """Per task type learned during RL: the step, trajectories generated and RL seconds at which its success in the
+    training rollouts first averages ``ONSET_SUCCESS`` over the last ``ONSET_WINDOW`` steps that had the task (tasks
+    already there in the first window are left out). Every step samples the tasks, so this sees when a skill is
+    learned at one-step resolution from ~50 rollouts, where held-out success is sampled every ``--eval-every`` steps
+    and moves in jumps."""
+    if not metrics.is_file():
+        return {}
+    rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "store/accepted_trajectories" in r]
+    tasks = sorted({k.removeprefix("rollout/success_") for r in rows for k in r if k.startswith("rollout/success_")})
+    out = {}
+    for task in tasks:
+        seen = [r for r in rows if f"rollout/success_{task}" in r]  # steps whose rollouts had the task
+        v = [r[f"rollout/success_{task}"] for r in seen]
+        means = [sum(v[i - ONSET_WINDOW : i]) / ONSET_WINDOW for i in range(ONSET_WINDOW, len(v) + 1)]
+        hit = next((i for i, m in enumerate(means) if m >= ONSET_SUCCESS), None)
+        if hit is None or hit == 0:
+            continue
+        r = seen[hit + ONSET_WINDOW - 1]  # the window's last step: when the onset is first known
+        out[task] = {"step": r["step"], "generated_trajectories": r["store/accepted_trajectories"], "rl_s": r["time_s"]}
     return out
 
 
@@ -131,7 +160,36 @@ def summarize(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
         table["settings"][name] = {k: statistics.median(r[k] for r in rs) for k in KEYS if rs[0].get(k) is not None}
     for key, target_of in TARGETS.items():
         table[key] = _costs(runs, target_of)
+    table["to_task_onset"] = _onset_costs(runs)
     return table
+
+
+def _onset_costs(runs: dict[str, dict[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Per replay setting: no-replay / replay ratios of steps, trajectories and RL seconds to each task's onset
+    (:func:`task_onsets`), per (seed, task) learned in both runs, and their medians; onsets one run never had are
+    counted, not ratioed."""
+    out: dict[str, Any] = {}
+    for name in [n for n in runs if n != "none"]:
+        pairs, only = [], {"replay": 0, "none": 0}
+        for seed, base in runs.get("none", {}).items():
+            mine, ref = runs[name].get(seed, {}).get("onsets"), base.get("onsets")
+            if mine is None or ref is None:
+                continue
+            for task in sorted(set(mine) | set(ref)):
+                if task in mine and task in ref:
+                    ratio = {
+                        k: ref[task][k] / max(mine[task][k], 1e-9) for k in ("step", "generated_trajectories", "rl_s")
+                    }
+                    pairs.append({"seed": seed, "task": task, **ratio})
+                else:
+                    only["replay" if task in mine else "none"] += 1
+        if pairs:
+            med = {
+                f"median_{k}_saving": statistics.median(p[k] for p in pairs)
+                for k in ("step", "generated_trajectories", "rl_s")
+            }
+            out[name] = {"pairs": pairs, "learned_by_one_only": only, **med}
+    return out
 
 
 def _costs(runs: dict[str, dict[int, dict[str, Any]]], target_of: Any) -> dict[str, Any]:
@@ -173,7 +231,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     workloads = list(results)
     fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.6 * len(workloads)), squeeze=False)
     colors = {"none": "tab:gray", "fixed": "tab:blue", "adaptive": "tab:green", "adaptive-tight": "tab:olive",
-              "adaptive-half": "tab:purple", "adaptive-half-3": "tab:red"}  # fmt: skip
+              "adaptive-half": "tab:purple", "adaptive-half-3": "tab:red", "fixed-half-3": "tab:cyan"}  # fmt: skip
     for row, w in zip(axes, workloads, strict=True):
         for name, by_seed in results[w]["runs"].items():
             for i, r in enumerate(by_seed.values()):
@@ -241,6 +299,7 @@ def main() -> None:
                 summary = run_dir_of(args, name, seed) / "summary.json"
                 if summary.is_file():
                     run.update(rl_fractions(json.loads(summary.read_text())))
+                    run["onsets"] = task_onsets(summary.with_name("metrics.jsonl"))
         for sec in results.values():
             sec.update(summarize(sec["runs"]))
         path.write_text(json.dumps(results, indent=2))
