@@ -106,22 +106,24 @@ def run_one(args: argparse.Namespace, setting: str, seed: int, model: Path | Non
     out["generated_trajectories"] = s["evals"][-1]["generated_trajectories"] if s["evals"] else None
     out["evals"] = [{k: e[k] for k in ("step", "success", "rl_s", "generated_trajectories")} for e in s["evals"]]
     out["replay"] = s.get("replay")
-    out["onsets"] = task_onsets(run_dir / "metrics.jsonl")
+    out["onsets"] = task_onsets(run_dir / "metrics.jsonl", s["evals"])
     return out
 
 
 ONSET_SUCCESS, ONSET_WINDOW = 0.5, 5
 
 
-def task_onsets(metrics: Path) -> dict[str, dict[str, float]]:
+def task_onsets(metrics: Path, evals: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """Per task type learned during RL: the step, trajectories generated and RL seconds at which its success in the
     training rollouts first averages ``ONSET_SUCCESS`` over the last ``ONSET_WINDOW`` steps that had the task (tasks
     already there in the first window are left out). Every step samples the tasks, so this sees when a skill is
     learned at one-step resolution from ~50 rollouts, where held-out success is sampled every ``--eval-every`` steps
-    and moves in jumps."""
+    and moves in jumps. ``evals``: the run's in-loop evaluations (``summary.json``), whose time is taken out of the
+    metrics' clock to give RL seconds as the held-out costs count them."""
     if not metrics.is_file():
         return {}
     rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "store/accepted_trajectories" in r]
+    rl_s = _rl_clock(rows, evals)
     tasks = sorted({k.removeprefix("rollout/success_") for r in rows for k in r if k.startswith("rollout/success_")})
     out = {}
     for task in tasks:
@@ -132,8 +134,18 @@ def task_onsets(metrics: Path) -> dict[str, dict[str, float]]:
         if hit is None or hit == 0:
             continue
         r = seen[hit + ONSET_WINDOW - 1]  # the window's last step: when the onset is first known
-        out[task] = {"step": r["step"], "generated_trajectories": r["store/accepted_trajectories"], "rl_s": r["time_s"]}
+        out[task] = {"step": r["step"], "generated_trajectories": r["store/accepted_trajectories"], "rl_s": rl_s(r)}
     return out
+
+
+def _rl_clock(rows: list[dict[str, Any]], evals: list[dict[str, Any]]) -> Any:
+    """A step's RL seconds from its ``time_s`` (seconds since the job's logger started, evaluations included): less
+    the evaluations up to it (a step's row is logged after its evaluation) and the time before RL, which the first
+    evaluation's row gives (its ``time_s`` less its own time and the RL seconds before it)."""
+    at = {r["step"]: r["time_s"] for r in rows}
+    first = next((e for e in evals if e["step"] in at), None)
+    before = at[first["step"]] - first["eval_s"] - first["rl_s"] if first is not None else 0.0
+    return lambda r: r["time_s"] - before - sum(e["eval_s"] for e in evals if e["step"] <= r["step"])
 
 
 def to_target(run: dict[str, Any], target: float) -> dict[str, float] | None:
@@ -298,8 +310,9 @@ def main() -> None:
             for seed, run in by_seed.items():
                 summary = run_dir_of(args, name, seed) / "summary.json"
                 if summary.is_file():
-                    run.update(rl_fractions(json.loads(summary.read_text())))
-                    run["onsets"] = task_onsets(summary.with_name("metrics.jsonl"))
+                    run_summary = json.loads(summary.read_text())
+                    run.update(rl_fractions(run_summary))
+                    run["onsets"] = task_onsets(summary.with_name("metrics.jsonl"), run_summary["evals"])
         for sec in results.values():
             sec.update(summarize(sec["runs"]))
         path.write_text(json.dumps(results, indent=2))
