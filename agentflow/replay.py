@@ -150,9 +150,12 @@ class ReplayScheduler:
 
     ``adaptive``, with ``r`` the replays the pool can give now (at most ``round(ratio * B)``), ``g`` the measured rate
     at which fresh groups finish and ``c`` the measured cost of a step per group trained (from taking a batch to
-    asking for the next: score, train, weight sync): the batch takes ``f = min(B, max(ceil(g * c * B), B - r))``
-    fresh groups, what generation supplies while one batch trains (no replay where it keeps up), and replays the
-    other ``B - f``. Before the first measurement it replays like ``fixed``.
+    asking for the next: score, train, weight sync): the batch takes ``f = min(B, max(floor(g * c * B), B - r))``
+    fresh groups, the whole groups generation supplies while one batch trains (no replay where it keeps up), and
+    replays the other ``B - f``. Rounded down: per optimizer step, a batch with a replay in place of a fresh group
+    learned as much on the demo, and the fresh group would cost trajectories and, on shared cores, CPU the trainer
+    needs (rounding up took about 4.5 fresh groups a step where this takes about 4; docs/results.md, replay). Before
+    the first measurement it replays like ``fixed``.
 
     ``g`` is generation's rate with the rollout slots full. While the dispatch window is full, slots stand idle and
     the rate at which groups finish is the rate at which the trainer takes them, whatever the engines could do: any
@@ -244,7 +247,7 @@ class ReplayScheduler:
             cap = min(cap, eligible)
         supply = 0
         if self.schedule == "adaptive" and self.rate.value is not None and self.group_s.value is not None:
-            supply = math.ceil(self.rate.value * self.group_s.value * b - 1e-9)
+            supply = math.floor(self.rate.value * self.group_s.value * b + 1e-9)
         k = b - min(b, max(supply, b - cap))
         self.last = {"replay_wanted": k, "replay_ready_at_request": ready, "replay_supply": supply}
         return k
