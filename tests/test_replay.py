@@ -165,7 +165,7 @@ def test_adaptive_replays_only_what_generation_cannot_supply():
     for _ in range(3):
         part.on_accept()
     part.on_request(8.0)
-    assert part.plan(ready=0, eligible=10) == 5  # 3.7 a step: a batch of 4 fresh would wait for most of one
+    assert part.plan(ready=0, eligible=10) == 5  # 3.7 a step: a batch of 4 fresh would wait for the rest of one
     slow = ReplayScheduler(batch_groups=8, ratio=0.5, schedule="adaptive")
     _measured(slow, groups_per_s=0.0, step_s=1.0, batch=8)  # nothing finished: the trainer would only wait
     assert slow.plan(ready=0, eligible=10) == 4  # capped at ratio * B
