@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -126,6 +127,9 @@ def test_norm_tokens_scales_the_loss_average(tiny_model):
     plain = _trainer(tiny_model).train_step(samples)
     diluted = _trainer(tiny_model).train_step([replace(s, norm_tokens=4 * own) for s in samples])
     assert diluted["loss"] == pytest.approx(plain["loss"] / 4, rel=1e-4)
+    # the diagnostics stay means over the rows' own model tokens: the left-out groups were never measured
+    for key in ("nll", "logprob_abs_diff", "is_approx_k3_kl", "is_weight_mean", "clip_frac"):
+        assert diluted[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-9), key
 
 
 def _uneven_samples() -> list[Sample]:
@@ -168,3 +172,40 @@ def test_turn_phases_bounds_the_reverse_order_updates(tiny_model):
     assert _trainer(tiny_model, turn_credit=True, turn_phases=1).train_step(samples)["optimizer_steps"] == 1
     with pytest.raises(ValueError, match="turn_phases bounds"):
         LossSettings(turn_phases=2)
+
+
+def _bounded(model_dir, bound):
+    from trainer.megatron_trainer import MegatronTrainer
+
+    return MegatronTrainer(model_dir, TrainerSettings(lr=1e-2, threads=1, max_step_kl=bound))
+
+
+def test_max_step_kl_halves_the_step_along_its_direction_until_the_batch_kl_is_within_bound(tiny_model):
+    """The bounded step is the plain step scaled by 1/2^k (same Adam direction), and its measured KL is in bound."""
+    plain = _trainer(tiny_model)
+    start = [p.detach().clone() for p in plain.model.parameters()]
+    plain.train_step(_samples())
+    full = [p.detach() - w for p, w in zip(plain.model.parameters(), start, strict=True)]
+    loose = _bounded(tiny_model, 1e6).train_step(_samples())
+    assert loose["step_scale"] == 1.0 and loose["step_kl"] > 0
+    bound = loose["step_kl"] / 50  # the full step is far too large for this bound; some halving fits it
+    t = _bounded(tiny_model, bound)
+    m = t.train_step(_samples())
+    assert 0 < m["step_scale"] < 1 and m["step_kl"] <= bound
+    for p, w, d in zip(t.model.parameters(), start, full, strict=True):
+        assert torch.allclose(p.detach(), w + m["step_scale"] * d, atol=1e-6)
+    # the KL it reports is the batch's KL between the weights of before and after, measured again here
+    after = t.sample_logprobs(_samples())
+    before_t = _bounded(tiny_model, 1e6)
+    before = before_t.sample_logprobs(_samples())
+    k3 = [math.exp(a - b) - 1 - (a - b) for s, la, lb in zip(_samples(), after, before, strict=True)
+          for a, b, k in zip(la, lb, s.loss_mask, strict=True) if k]  # fmt: skip
+    assert sum(k3) / len(k3) == pytest.approx(m["step_kl"], rel=1e-3)
+
+
+def test_max_step_kl_keeps_the_weights_when_even_a_32nd_of_the_step_is_too_far(tiny_model):
+    t = _bounded(tiny_model, 1e-15)
+    start = [p.detach().clone() for p in t.model.parameters()]
+    m = t.train_step(_samples())
+    assert m["step_scale"] == 0.0 and m["step_kl"] == 0.0 and t.version == 1
+    assert all(torch.equal(p.detach(), w) for p, w in zip(t.model.parameters(), start, strict=True))

@@ -41,6 +41,13 @@ class OptimFields(_Section):
     """Linear warm-up steps of the LR schedule."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm."""
+    max_step_kl: float | None = Field(None, gt=0)
+    """A trust region on each optimizer step (RL losses): after the step, the batch's model tokens are scored again
+    and, while the mean k3 estimate of KL(before || after) exceeds this, the step is halved along its own direction
+    (up to 5 times; beyond that the weights of before are kept). Adam moves every weight by about the learning rate
+    whatever the batch's signal, which can swing a small policy into a degenerate mode in one or two steps; the
+    gradient norm and the loss do not see it. ``train/step_kl`` and ``train/step_scale`` report each step. None: off.
+    CPU trainer only."""
     micro_batch_tokens: int = Field(4096, ge=1)
     """Token budget of one micro-batch (gradient accumulation across them): real tokens when packed, ``rows *
     longest row`` when padded."""

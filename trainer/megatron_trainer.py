@@ -95,6 +95,11 @@ class MegatronTrainer:
         self.spec, hf_state = load_hf_dir(model_dir)
         model = build_gpt_model(self.spec, settings.seed, self.device, bf16=bf16, layer_spec=layer_spec)
         load_into_model(model, hf_state, self.spec)
+        if self.device == "cuda" and settings.max_step_kl is not None:
+            raise ValueError(  # Megatron's optimizer keeps fp32 main weights that an in-place rescale would not reach
+                "trainer.max_step_kl rescales a step in the model's own weights, which the GPU optimizer's main "
+                "weights would overwrite: the CPU trainer only (leave it unset on GPUs)"
+            )
         if self.device == "cuda":
             from trainer.gpu import wrap_for_gpu
 
@@ -213,6 +218,8 @@ class MegatronTrainer:
         seqs = float(max(self._dp_sum(sum(int((b.target_mask.sum(-1) > 0).sum()) for b in batches)), 1))
         self.optimizer.zero_grad(set_to_none=True)
         frozen = cfg.name == "ppo" and self.step < cfg.critic_warmup_steps  # the critic's warm-up: it learns alone
+        bounded = self.settings.max_step_kl is not None and cfg.name != "sft" and not frozen
+        before = (self._old_logprobs(mine), [p.detach().clone() for p in self.model.parameters()]) if bounded else None
         sums: dict[str, float] = {}
         for mb in [] if frozen else batches:
             with self._routes(mb):
@@ -229,14 +236,64 @@ class MegatronTrainer:
             sums = {k: self._dp_sum(sums[k]) for k in sorted(sums)}  # same order on every DP rank
             grad_norm = self.optimizer.clip_grad_norm_(self.settings.grad_clip)  # global norm under TP (and on GPU)
             self.optimizer.step()
-            metrics = {k: v / denom for k, v in sums.items()}
+            # the loss is averaged over ``denom`` (it may count left-out groups: Sample.norm_tokens); the per-token
+            # diagnostics (nll, IS weights, log-prob gap, clip fractions) are means over the tokens measured
+            own = float(max(counted, 1))
+            metrics = {k: v / (denom if k == "loss" else own) for k, v in sums.items()}
             metrics["grad_norm"] = float(grad_norm)
+            if before is not None:
+                metrics.update(self._bound_step(mine, masks, *before))
         self.scheduler.step()
         metrics.update(lr=self.scheduler.get_last_lr()[0], tokens=denom, policy_frozen=float(frozen))
         metrics["micro_batches"] = float(len(batches))
         if cfg.name == "ppo":  # the critic's own step on the same rows (returns and old values ride along)
             metrics.update(self._ppo_critic().update(mine, my_rows, float(max(counted, 1)), cfg))
         return metrics
+
+    def _bound_step(
+        self, samples: list[Sample], masks: list[list[int]], before: list[list[float]], weights: list[torch.Tensor]
+    ) -> dict[str, float]:
+        """``max_step_kl``: halve the step just taken along its own direction until the batch's mean k3 estimate of
+        KL(before || after) over the trained tokens is within the bound; after 5 halvings keep the weights of before.
+
+        Every rank measures the same global KL (summed over DP ranks), so all take the same decision."""
+        bound = float(self.settings.max_step_kl or 0.0)
+        params = list(self.model.parameters())
+        steps = [p.detach() - w for p, w in zip(params, weights, strict=True)]
+        scale, kl = 1.0, self._step_kl(samples, masks, before)
+        while kl > bound and scale > 1 / 32:
+            scale /= 2
+            kl = self._rescale_step(params, weights, steps, scale, samples, masks, before)
+        if kl > bound:
+            scale = 0.0
+            kl = self._rescale_step(params, weights, steps, scale, samples, masks, before)
+        return {"step_kl": kl, "step_scale": scale}
+
+    @torch.no_grad()
+    def _rescale_step(
+        self,
+        params: list[torch.Tensor],
+        weights: list[torch.Tensor],
+        steps: list[torch.Tensor],
+        scale: float,
+        samples: list[Sample],
+        masks: list[list[int]],
+        before: list[list[float]],
+    ) -> float:
+        for p, w, d in zip(params, weights, steps, strict=True):
+            p.copy_(w + scale * d)
+        return self._step_kl(samples, masks, before)
+
+    def _step_kl(self, samples: list[Sample], masks: list[list[int]], before: list[list[float]]) -> float:
+        """Mean k3 estimate of KL(before || now) over the masked tokens of ``samples`` (all DP ranks)."""
+        now = self._old_logprobs(samples)
+        total, count = 0.0, 0
+        for a, b, m in zip(now, before, masks, strict=True):
+            on = torch.tensor(m[1 : len(a)], dtype=torch.bool)
+            log_r = (torch.tensor(a[1:], dtype=torch.float64) - torch.tensor(b[1:], dtype=torch.float64))[on]
+            total += float((torch.exp(log_r) - 1 - log_r).sum())
+            count += int(on.sum())
+        return self._dp_sum(total) / max(self._dp_sum(float(count)), 1.0)
 
     def sample_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """The trainer's log-probs of every token of ``samples`` under the current weights (aligned with
