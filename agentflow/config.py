@@ -150,7 +150,8 @@ class EngineConfig(Section):
     prefix_cache: bool = True
     """Embedded: keep finished sequences' KV in idle slots so a resumed episode pays only for its new tokens."""
     kv_on_update: Literal["flush", "keep", "recompute"] = "flush"
-    """What a weight update does to cached prefixes (KV of paused episodes): ``flush`` drops them; ``keep`` reuses
+    """What a weight update does to cached prefixes (KV of paused episodes): ``flush`` drops them (and, once it ends,
+    the KV of a request that decoded across the update, which was running when the flush came); ``keep`` reuses
     the old weights' KV (the recorded log-probs are what was sampled over it, so the importance ratio corrects for
     it; SGLang: updates without flushing its radix cache); ``recompute`` (embedded) prefills them again under the new
     weights while the engine has nothing else to do."""

@@ -112,6 +112,33 @@ def test_flush_and_weight_update_invalidate(qwen_dir, tmp_path) -> None:
         assert eng.stats()["stale_prefix_hits"] == 1
 
 
+def test_flush_drops_the_kv_of_a_request_that_decoded_across_the_update(qwen_dir, tmp_path) -> None:
+    """``flush``: the update cannot drop a running request's KV, but once that request ends its KV (part of it the old
+    weights') is not offered to the next request sharing its prefix; without the update the same sequence is reused."""
+    sp = SamplingParams(temperature=0.0, max_new_tokens=40)
+    new = make_model_dir(tmp_path, "qwen2", seed=3).state_dict()
+    ids = prompt(25, seed=6)
+    with EmbeddedEngine(qwen_dir, max_slots=2, max_len=128) as eng:
+        fut = eng.submit(ids, sp)
+        wait_for(lambda: eng.stats()["tokens_generated"] > 5)
+        eng.pause("in_place")
+        eng.update_weights(1, new)
+        eng.resume()
+        res = fut.result(timeout=30)
+        assert res.versions[0] == 0 and res.versions[-1] == 1  # it decoded across the update
+        again = eng.generate_sync(ids + res.output_ids + [1], sp)
+        assert again.cached_tokens == 0 and eng.stats()["stale_prefix_hits"] == 0
+        torch.testing.assert_close(  # sampled exactly as a fresh forward of the new weights would
+            torch.tensor(again.logprobs),
+            full_logprobs(eng, ids + res.output_ids + [1] + again.output_ids, len(ids) + len(res.output_ids) + 1),
+            atol=1e-4,
+            rtol=0,
+        )
+        # a request that ran under one version leaves its KV to the next, as before
+        last = eng.generate_sync(ids + res.output_ids + [1] + again.output_ids + [2], sp)
+        assert last.cached_tokens > 0
+
+
 def _stale_kv_logprob(qwen_dir, new: dict, prefix: list[int], rest: list[int], token: int) -> float:
     """The log-prob of ``token`` after ``prefix + rest`` where the prefix's KV came from the old weights and the
     rest's from the new ones: what an engine that keeps its cache across the update samples from."""

@@ -293,7 +293,10 @@ class DecodeLoop(PrefixSlots):
         """Free the request's slot; its KV stays there as a prefix-cache entry unless ``keep_kv`` is False."""
         if req.slot is not None:
             self._running.pop(req.slot, None)
-            seq = (req.prompt + req.output)[: req.cached] if keep_kv and self.prefix_cache else []
+            # under ``flush`` no KV of older weights outlives an update: a request that decoded across one holds some
+            # (its slot was running, so the update's flush did not reach it), and a later request would reuse it
+            across = req.kv_version < self._version and self.kv_on_update == "flush"
+            seq = (req.prompt + req.output)[: req.cached] if keep_kv and self.prefix_cache and not across else []
             self._idle[req.slot] = seq
             self._idle_version[req.slot] = req.kv_version
             self._released_at[req.slot] = now()
