@@ -264,9 +264,11 @@ class MegatronTrainer:
         while kl > bound and scale > 1 / 32:
             scale /= 2
             kl = self._rescale_step(params, weights, steps, scale, samples, masks, before)
-        if kl > bound:
-            scale = 0.0
-            kl = self._rescale_step(params, weights, steps, scale, samples, masks, before)
+        if kl > bound:  # back to the weights of before: nothing moved, nothing to measure
+            with torch.no_grad():
+                for p, w in zip(params, weights, strict=True):
+                    p.copy_(w)
+            scale, kl = 0.0, 0.0
         return {"step_kl": kl, "step_scale": scale}
 
     @torch.no_grad()
